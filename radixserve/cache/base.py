@@ -1,0 +1,105 @@
+"""The interface every prefix cache mode (radix, hash, off) offers the scheduler.
+
+A prefix cache maps runs of prompt tokens, within a namespace, to the KV-pool slots that already
+hold their keys and values. It never touches KV tensors: it only hands slot indices around and
+gives slots back to the pool (through `release`) when it evicts them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+# A namespace keeps tenants (cache_salt), models and adapters apart: nodes of two namespaces
+# are never shared. `None` is the default namespace.
+Namespace = Hashable
+
+# Gives slots back to the KV pool's free list. Called with page-aligned runs of slots.
+ReleaseFn = Callable[[list[int]], None]
+
+
+@dataclass(frozen=True)
+class MatchResult:
+    """The longest cached prefix of a key: `length` tokens held in `slots`.
+
+    `handle` is opaque; pass it to `lock` to protect the matched path while a request uses it.
+    """
+
+    length: int
+    slots: list[int]
+    handle: object
+
+
+@dataclass(frozen=True)
+class InsertResult:
+    """What `insert` did.
+
+    `cached_length`: leading tokens that were already cached before this call.
+    `slots`: the cache's slots for the whole inserted key (page-aligned length). Where they
+    differ from the caller's own slots, the caller's are duplicates: the caller frees them and
+    re-points its slot table at these.
+    `handle`: the node that now ends the inserted key, for `lock`.
+    """
+
+    cached_length: int
+    slots: list[int]
+    handle: object
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """Token counts of the cache's slots, and cumulative counters."""
+
+    evictable_tokens: int  # in the cache, unlocked and unpinned
+    protected_tokens: int  # in the cache, locked by a running request
+    pinned_tokens: int  # in the cache, unlocked but pinned by a live TTL
+    nodes: int
+    inserted_tokens_total: int
+    evicted_tokens_total: int
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.evictable_tokens + self.protected_tokens + self.pinned_tokens
+
+
+class PrefixCache(Protocol):
+    """What the scheduler needs from a prefix cache.
+
+    Every slot handed to `insert` belongs to the cache afterwards (unless returned as a
+    duplicate); the cache gives slots back only through `release`, when it evicts them.
+    """
+
+    page_size: int
+
+    def match_prefix(self, namespace: Namespace, tokens: Sequence[int]) -> MatchResult:
+        """Longest cached prefix of `tokens`, page-aligned. Refreshes its LRU time."""
+        ...
+
+    def insert(
+        self, namespace: Namespace, tokens: Sequence[int], slots: Sequence[int]
+    ) -> InsertResult:
+        """Caches the page-aligned prefix of `tokens` with its `slots`; see InsertResult."""
+        ...
+
+    def lock(self, handle: object) -> None:
+        """Protects the path from the root to `handle` from eviction (counted, re-entrant)."""
+        ...
+
+    def unlock(self, handle: object) -> None:
+        """Undoes one `lock` of the same handle."""
+        ...
+
+    def pin(self, handle: object, expires_at: float) -> None:
+        """Protects the path to `handle` from eviction until the clock passes `expires_at`."""
+        ...
+
+    def evict(self, num_tokens: int) -> int:
+        """Frees at least `num_tokens` slots if it can (LRU unlocked leaves); returns how many."""
+        ...
+
+    def stats(self) -> CacheStats: ...
+
+    def reset(self) -> None:
+        """Drops every unlocked entry (releasing its slots)."""
+        ...

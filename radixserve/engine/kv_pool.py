@@ -1,0 +1,88 @@
+"""The paged KV pool: per-layer K/V tensors allocated once, indexed by slot, and the page
+allocator that hands slots to requests and takes them back.
+
+Slot s lives in page s // page_size. Requests and the prefix cache deal in slots; the
+allocator deals in whole pages, so a run of slots given back must cover whole pages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+class OutOfSlots(RuntimeError):
+    """Raised when an allocation asks for more pages than are free."""
+
+
+class PageAllocator:
+    """Free list of pages. O(1) per page; pages are reused most-recently-freed first."""
+
+    def __init__(self, num_pages: int, page_size: int) -> None:
+        if num_pages <= 0 or page_size <= 0:
+            raise ValueError("num_pages and page_size must be positive")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        # Reversed so that page 0 is handed out first (tidy for reading dumps).
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))
+        self._is_free = bytearray([1]) * num_pages
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_pages * self.page_size
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free) * self.page_size
+
+    def allocate(self, num_pages: int) -> list[int]:
+        """Takes `num_pages` free pages and returns all their slots, page by page."""
+        if num_pages > len(self._free):
+            raise OutOfSlots(f"asked for {num_pages} pages, {len(self._free)} free")
+        pages = [self._free.pop() for _ in range(num_pages)]
+        for p in pages:
+            self._is_free[p] = 0
+        size = self.page_size
+        return [p * size + i for p in pages for i in range(size)]
+
+    def release(self, slots: Sequence[int]) -> None:
+        """Gives back whole pages; `slots` must list every slot of each page it touches."""
+        size = self.page_size
+        if len(slots) % size:
+            raise ValueError(f"release of {len(slots)} slots is not whole pages of {size}")
+        for i in range(0, len(slots), size):
+            page = slots[i] // size
+            if slots[i] % size:
+                raise ValueError(f"slot run starting at {slots[i]} is not page-aligned")
+            if self._is_free[page]:
+                raise AssertionError(f"double free of page {page}")
+            self._is_free[page] = 1
+            self._free.append(page)
+
+
+class KVPool:
+    """K and V storage for every layer: `[num_slots, num_kv_heads, head_dim]` each."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        self.allocator = PageAllocator(num_pages, page_size)
+        shape = (num_pages * page_size, num_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @property
+    def page_size(self) -> int:
+        return self.allocator.page_size
+
+    @property
+    def num_slots(self) -> int:
+        return self.allocator.num_slots
