@@ -1,0 +1,69 @@
+"""Every engine knob, validated in one place. CLI flags and `LLM(**kwargs)` map onto it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+PREFIX_CACHE_MODES = ("radix", "hash", "off")
+SCHEDULE_POLICIES = ("fcfs", "lpm")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass
+class EngineConfig:
+    """Engine settings. `model=None` means the default model (SmolLM2-135M-Instruct, Q4_1)."""
+
+    model: str | None = None
+    dtype: str = "auto"  # auto: bfloat16 where the hardware runs it faster, else float32
+    device: str = "auto"  # auto: cuda when available, else cpu
+    kv_cache_tokens: int | None = None  # None: sized from kv_cache_memory_gb
+    kv_cache_memory_gb: float = 1.0
+    page_size: int = 1
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's context length
+    prefix_cache: str = "radix"
+    schedule_policy: str = "fcfs"
+    # lpm: a request that has waited this long is admitted in arrival order, cache-cold or not.
+    lpm_max_wait_s: float = 2.0
+    lpm_scan_limit: int = 128  # lpm sorts at most this many waiting requests per step
+    # Waiting requests sharing an uncached prefix at least this long wait for its first
+    # prefill instead of computing it again.
+    dedup_min_tokens: int = 32
+    max_pinned_fraction: float = 0.5  # cap on KV held by TTL pins (cache_control)
+    num_threads: int | None = None  # torch CPU threads; None keeps torch's default
+    seed: int = 0
+    show_progress: bool = True
+    debug_invariants: bool = False  # check the slot-accounting invariant at every idle step
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        def need(ok: bool, message: str) -> None:
+            if not ok:
+                raise ValueError(message)
+
+        need(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        need(self.prefix_cache in PREFIX_CACHE_MODES,
+             f"prefix_cache must be one of {PREFIX_CACHE_MODES}, got {self.prefix_cache!r}")
+        need(self.schedule_policy in SCHEDULE_POLICIES,
+             f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
+        need(self.page_size >= 1, "page_size must be >= 1")
+        need(self.kv_cache_tokens is None or self.kv_cache_tokens >= self.page_size,
+             "kv_cache_tokens must be at least one page")
+        need(self.kv_cache_memory_gb > 0, "kv_cache_memory_gb must be > 0")
+        need(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
+        need(self.max_num_batched_tokens >= 16, "max_num_batched_tokens must be >= 16")
+        need(0 <= self.max_pinned_fraction <= 1, "max_pinned_fraction must be in [0, 1]")
+        need(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
+             f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+
+    @classmethod
+    def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> EngineConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown engine settings {unknown}; known: {sorted(known)}")
+        return cls(model=model, **kwargs)

@@ -1,0 +1,242 @@
+"""Our Llama-family forward pass (Llama 2/3.x, SmolLM2, Mistral, Qwen2/2.5) over a paged KV pool.
+
+One call runs a variable-length batch: decode tokens of many requests and prefill chunks of
+others, flattened into one token axis (no padding of the projections or the MLP). Attention
+reads each request's keys and values through its slot table.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixserve.model.config import ModelConfig
+
+
+@dataclass
+class PrefillSpan:
+    """One request's prefill chunk inside the flattened batch."""
+
+    start: int  # first row of the chunk in the batch
+    length: int  # chunk tokens
+    context_slots: torch.Tensor | None  # slots of all context tokens (cached + chunk); None: no cache
+    mask: torch.Tensor | None  # [length, context] bool, None when plain causal works
+
+
+@dataclass
+class ForwardBatch:
+    """Everything the forward pass needs about where tokens sit and what they attend to.
+
+    Rows [0, num_decode) are decode tokens (one per request); prefill chunks follow.
+    """
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    write_slots: torch.Tensor  # [T] int64: the KV slot each new token's K/V is written to
+    num_decode: int
+    decode_slots: torch.Tensor | None  # [B, L] slots of each decode request's context, padded
+    decode_mask: torch.Tensor | None  # [B, 1, 1, L] bool; None when nothing is padded
+    prefills: list[PrefillSpan]
+    logit_rows: torch.Tensor  # [R] rows whose next-token logits are wanted
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies of the rotary embedding, with the model's scaling applied."""
+    dim = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        inv = inv / scaling["factor"]
+    elif kind == "llama3":
+        # Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between.
+        factor = scaling["factor"]
+        low = scaling.get("low_freq_factor", 1.0)
+        high = scaling.get("high_freq_factor", 4.0)
+        old_ctx = scaling.get("original_max_position_embeddings", 8192)
+        wavelen = 2 * math.pi / inv
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        blended = (1 - smooth) * inv / factor + smooth * inv
+        inv = torch.where(wavelen > old_ctx / low, inv / factor, inv)
+        mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
+        inv = torch.where(mid, blended, inv)
+    elif kind == "factors":  # GGUF's rope_freqs tensor: per-frequency divisors
+        inv = inv / torch.tensor(scaling["factors"], dtype=torch.float64)
+    elif kind is not None:
+        raise ValueError(f"rope scaling {kind!r} is not supported (supported: linear, llama3)")
+    return inv.float()
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 as HF does, so bfloat16 runs stay close to the float32 ones.
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        q_size = config.num_heads * config.head_dim
+        kv_size = config.num_kv_heads * config.head_dim
+        self.split = (q_size, kv_size, kv_size)
+        # q, k and v in one matmul: one weight read per token instead of three.
+        self.qkv_proj = nn.Linear(config.hidden_size, sum(self.split), bias=config.attention_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+        self.scale = config.head_dim**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: ForwardBatch,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = _rotate(q.view(tokens, self.num_heads, self.head_dim), cos, sin)
+        k = _rotate(k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        k_cache.index_copy_(0, batch.write_slots, k)
+        v_cache.index_copy_(0, batch.write_slots, v)
+
+        out = torch.empty_like(q)
+        nd = batch.num_decode
+        if nd:
+            assert batch.decode_slots is not None
+            keys = k_cache[batch.decode_slots].transpose(1, 2)  # [B, Hkv, L, D]
+            values = v_cache[batch.decode_slots].transpose(1, 2)
+            out[:nd] = F.scaled_dot_product_attention(
+                q[:nd].unsqueeze(2), keys, values, attn_mask=batch.decode_mask,
+                scale=self.scale, enable_gqa=True,
+            ).squeeze(2)
+        for span in batch.prefills:
+            rows = slice(span.start, span.start + span.length)
+            if span.context_slots is None:
+                keys, values = k[rows], v[rows]
+            else:
+                keys, values = k_cache[span.context_slots], v_cache[span.context_slots]
+            out[rows] = F.scaled_dot_product_attention(
+                q[rows].transpose(0, 1).unsqueeze(0),
+                keys.transpose(0, 1).unsqueeze(0),
+                values.transpose(0, 1).unsqueeze(0),
+                attn_mask=span.mask,
+                is_causal=span.mask is None,
+                scale=self.scale,
+                enable_gqa=True,
+            )[0].transpose(0, 1)
+        return self.o_proj(out.view(tokens, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate = config.intermediate_size
+        # gate and up in one matmul, for the same reason as qkv.
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers, final norm and LM head; see `forward`."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+
+    @torch.inference_mode()
+    def forward(
+        self, batch: ForwardBatch, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]
+    ) -> torch.Tensor:
+        """Runs the batch, writing its K/V into the caches; returns float32 logits [R, vocab]."""
+        x = self.embed_tokens(batch.input_ids)
+        angles = batch.positions.to(self.inv_freq.dtype).unsqueeze(-1) * self.inv_freq
+        angles = torch.cat((angles, angles), dim=-1).unsqueeze(1)  # [T, 1, D]
+        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        residual = x
+        for i, layer in enumerate(self.layers):
+            h = layer.self_attn(
+                layer.input_layernorm(residual), cos, sin, batch, k_caches[i], v_caches[i]
+            )
+            residual = residual + h
+            residual = residual + layer.mlp(layer.post_attention_layernorm(residual))
+        last = self.norm(residual[batch.logit_rows])
+        return self.lm_head(last).float()
+
+    def load_hf_weights(self, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+        """Takes HF-named float tensors, fusing q/k/v and gate/up; casts to `dtype`."""
+        cfg = self.config
+        state: dict[str, torch.Tensor] = {
+            "embed_tokens.weight": weights["model.embed_tokens.weight"],
+            "norm.weight": weights["model.norm.weight"],
+        }
+        head = weights.get("lm_head.weight")
+        state["lm_head.weight"] = head if head is not None and not cfg.tie_word_embeddings else (
+            weights["model.embed_tokens.weight"]
+        )
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            ours = f"layers.{i}."
+            state[ours + "input_layernorm.weight"] = weights[p + "input_layernorm.weight"]
+            state[ours + "post_attention_layernorm.weight"] = weights[
+                p + "post_attention_layernorm.weight"
+            ]
+            state[ours + "self_attn.qkv_proj.weight"] = torch.cat(
+                [weights[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]
+            )
+            if cfg.attention_bias:
+                state[ours + "self_attn.qkv_proj.bias"] = torch.cat(
+                    [weights[p + f"self_attn.{n}_proj.bias"] for n in "qkv"]
+                )
+            state[ours + "self_attn.o_proj.weight"] = weights[p + "self_attn.o_proj.weight"]
+            state[ours + "mlp.gate_up_proj.weight"] = torch.cat(
+                [weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]]
+            )
+            state[ours + "mlp.down_proj.weight"] = weights[p + "mlp.down_proj.weight"]
+        missing, unexpected = self.load_state_dict(state, strict=False, assign=True)
+        missing = [m for m in missing if m != "inv_freq"]
+        if missing or unexpected:
+            raise ValueError(f"weight mismatch: missing {missing}, unexpected {unexpected}")
+        self.to(dtype)
+        self.inv_freq = rope_inv_freq(cfg).to(self.embed_tokens.weight.device)

@@ -1,0 +1,190 @@
+"""Reads a model from disk: an HF directory (config.json, *.safetensors, tokenizer.json) or a
+GGUF file (dequantized with the `gguf` package). Both end as HF-named float tensors.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from radixserve.model.config import ModelConfig
+from radixserve.model.tokenizer import ChatTokenizer, load_gguf_tokenizer, load_hf_tokenizer
+
+# GGUF tensor-type names we dequantize (the gguf package handles more; these are tested).
+GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_TOP_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]  # HF names, float32
+    tokenizer: ChatTokenizer
+    source: str  # what was loaded, for logs
+
+
+def load_model_files(path: str | Path, progress: bool = True) -> LoadedModel:
+    """Loads config, weights and tokenizer from an HF directory or a `.gguf` file."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"model path {str(path)!r} does not exist; pass an HF model directory "
+            "(config.json, *.safetensors, tokenizer.json) or a .gguf file"
+        )
+    if path.is_file() and path.suffix == ".gguf":
+        return _load_gguf(path, progress)
+    if path.is_dir() and (path / "config.json").exists():
+        return _load_hf_dir(path, progress)
+    raise ValueError(
+        f"{str(path)!r} is neither a .gguf file nor an HF model directory with config.json"
+    )
+
+
+def _load_hf_dir(path: Path, progress: bool) -> LoadedModel:
+    from safetensors import safe_open
+
+    raw = json.loads((path / "config.json").read_text())
+    config = ModelConfig.from_hf(raw)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path} has no *.safetensors weights (.bin files are not supported)")
+    weights: dict[str, torch.Tensor] = {}
+    for file in tqdm(files, desc="Loading safetensors", disable=not progress):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                weights[name] = f.get_tensor(name).float()
+    return LoadedModel(config, weights, load_hf_tokenizer(path), str(path))
+
+
+def _gguf_value(field: Any) -> Any:
+    return field.contents()
+
+
+def _unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    # llama.cpp's converter interleaves each head's rotary halves for its own RoPE kernel;
+    # undo that so the weights match HF's rotate-half layout that our forward pass uses.
+    rows = w.shape[0]
+    return (
+        w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:])
+        .transpose(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def _load_gguf(path: Path, progress: bool) -> LoadedModel:
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    meta = {name: _gguf_value(f) for name, f in reader.fields.items() if not name.startswith("GGUF.")}
+    arch = meta.get("general.architecture")
+    if arch not in ("llama", "qwen2", "mistral"):
+        raise ValueError(
+            f"GGUF architecture {arch!r} is not supported (supported: llama, qwen2, mistral)"
+        )
+
+    def key(name: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{name}", default)
+
+    tokenizer = load_gguf_tokenizer(meta)
+    heads = key("attention.head_count")
+    hidden = key("embedding_length")
+    names = {t.name for t in reader.tensors}
+    scaling = None
+    if key("rope.scaling.type") == "linear":
+        scaling = {"rope_type": "linear", "factor": key("rope.scaling.factor")}
+    config = ModelConfig(
+        architecture="llama" if arch == "mistral" else arch,
+        vocab_size=key("vocab_size") or len(meta["tokenizer.ggml.tokens"]),
+        hidden_size=hidden,
+        intermediate_size=key("feed_forward_length"),
+        num_layers=key("block_count"),
+        num_heads=heads,
+        num_kv_heads=key("attention.head_count_kv") or heads,
+        head_dim=key("attention.key_length") or hidden // heads,
+        rms_norm_eps=key("attention.layer_norm_rms_epsilon", 1e-5),
+        rope_theta=key("rope.freq_base", 10000.0),
+        max_position_embeddings=key("context_length", 4096),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names,
+        rope_scaling=scaling,
+    )
+    weights: dict[str, torch.Tensor] = {}
+    for tensor in tqdm(reader.tensors, desc="Dequantizing GGUF", disable=not progress):
+        weights[_hf_name(tensor.name)] = _dequantize(tensor, gguf)
+    if arch in ("llama", "mistral"):
+        for i in range(config.num_layers):
+            q = f"model.layers.{i}.self_attn.q_proj.weight"
+            k = f"model.layers.{i}.self_attn.k_proj.weight"
+            weights[q] = _unpermute_qk(weights[q], config.num_heads)
+            weights[k] = _unpermute_qk(weights[k], config.num_kv_heads)
+    if "rope_freqs.weight" in weights:
+        # Llama 3.1+ GGUFs store the llama3 rope scaling as per-frequency divisors.
+        factors = weights.pop("rope_freqs.weight")
+        config = _with_rope_factors(config, factors)
+    return LoadedModel(config, weights, tokenizer, str(path))
+
+
+def _with_rope_factors(config: ModelConfig, factors: torch.Tensor) -> ModelConfig:
+    from dataclasses import replace
+
+    return replace(config, rope_scaling={"rope_type": "factors", "factors": factors.tolist()})
+
+
+def _hf_name(name: str) -> str:
+    base, _, suffix = name.rpartition(".")
+    if base.startswith("blk."):
+        _, layer, part = base.split(".", 2)
+        if part not in _GGUF_LAYER_NAMES:
+            raise ValueError(f"unexpected GGUF tensor {name!r}")
+        return f"model.layers.{layer}.{_GGUF_LAYER_NAMES[part]}.{suffix}"
+    if base in _GGUF_TOP_NAMES:
+        return f"{_GGUF_TOP_NAMES[base]}.{suffix}"
+    return name
+
+
+def _dequantize(tensor: Any, gguf: Any) -> torch.Tensor:
+    kind = tensor.tensor_type.name
+    if kind not in GGUF_TYPES:
+        raise ValueError(
+            f"GGUF tensor {tensor.name} has type {kind}; supported: {', '.join(GGUF_TYPES)}"
+        )
+    # Shape in numpy order (rows = output features), reversed from GGUF's ne order.
+    shape = tuple(int(d) for d in reversed(tensor.shape))
+    data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    return torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32).reshape(shape))
+
+
+def load_tokenizer(path: str | Path) -> ChatTokenizer:
+    """Only the tokenizer of a model (no weights read): for the linter and the benchmark."""
+    path = Path(path).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        import gguf
+
+        reader = gguf.GGUFReader(str(path))
+        meta = {n: _gguf_value(f) for n, f in reader.fields.items() if n.startswith("tokenizer.")}
+        return load_gguf_tokenizer(meta)
+    if path.is_dir():
+        return load_hf_tokenizer(path)
+    raise FileNotFoundError(f"no .gguf file or HF model directory at {str(path)!r}")

@@ -1,0 +1,37 @@
+"""What a request returns: vLLM-shaped result objects (a contract users and tests rely on)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    stop_reason: str | int | None = None  # the stop string or token id that ended it
+    # Per output token: (chosen token's logprob, {token id: logprob} of the top ones).
+    logprobs: list[tuple[float, dict[int, float]]] | None = None
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
+    # Extra fields the server's accounting needs (not part of vLLM's shape).
+    extra: dict[str, object] = field(default_factory=dict)
