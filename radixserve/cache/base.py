@@ -71,6 +71,8 @@ class PrefixCache(Protocol):
     """
 
     page_size: int
+    # False for the "off" mode: slots handed to insert stay the caller's, to free itself.
+    stores_slots: bool
 
     def match_prefix(self, namespace: Namespace, tokens: Sequence[int]) -> MatchResult:
         """Longest cached prefix of `tokens`, page-aligned. Refreshes its LRU time."""

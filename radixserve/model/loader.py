@@ -173,7 +173,7 @@ def _dequantize(tensor: Any, gguf: Any) -> torch.Tensor:
     # Shape in numpy order (rows = output features), reversed from GGUF's ne order.
     shape = tuple(int(d) for d in reversed(tensor.shape))
     data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-    return torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32).reshape(shape))
+    return torch.from_numpy(np.array(data, dtype=np.float32).reshape(shape))
 
 
 def load_tokenizer(path: str | Path) -> ChatTokenizer:

@@ -1,0 +1,374 @@
+"""Radix-tree prefix cache ("radix" mode): token runs, per namespace, to the KV slots holding them.
+
+Token-granular at page_size 1, page-aligned above. Eviction takes unlocked, unpinned leaves in
+LRU order from a persistent lazy heap, so each evicted leaf costs O(log n), never a tree walk.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import sys
+import time
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Generic, Protocol, TypeVar
+
+from radixserve.cache.base import CacheStats, InsertResult, MatchResult, Namespace, ReleaseFn
+
+NOT_PINNED = -math.inf
+
+
+class Pinnable(Protocol):
+    """A cache entry (tree node or hash block) that a PinBook can pin."""
+
+    pinned_until: float  # NOT_PINNED when no live pin is recorded
+    pin_seq: int  # which pin call last covered it; older calls yield first to the bound
+    pin_version: int  # bumped on every change, so older heap records are known to be stale
+    depth: int  # deeper entries yield and expire before their ancestors on ties
+
+    @property
+    def num_tokens(self) -> int: ...
+
+
+EntryT = TypeVar("EntryT", bound=Pinnable)
+
+
+class PinBook(Generic[EntryT]):
+    """TTL pins, expired lazily against an injected clock, under an optional token bound.
+
+    Two heaps of versioned records: by expiry time and by pin order (for `max_tokens`). Re-pinning
+    bumps an entry's version, so its older records are skipped when popped. Cost: O(log p) per
+    entry pinned and per pin that ends; stale records are compacted once they outnumber live pins.
+    An ancestor is always pinned at least as long and as recently as its descendants, so pins end
+    leaf-first and a pinned entry never sits below an unpinned one.
+    """
+
+    def __init__(self, max_tokens: int | None) -> None:
+        self.max_tokens = max_tokens
+        self.tokens = 0  # tokens under a live pin, locked or not: what the bound counts
+        self._live = 0
+        self._seq = 0
+        self._order = itertools.count()  # unique tie-break, so records never compare entries
+        self._by_expiry: list[tuple[float, int, int, EntryT, int]] = []
+        self._by_age: list[tuple[float, int, int, EntryT, int]] = []
+
+    def new_pin(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def pin(self, entry: EntryT, expires_at: float, seq: int) -> None:
+        """Pins `entry` until `expires_at`; a re-pin extends, never shortens."""
+        if entry.pinned_until == NOT_PINNED:
+            self.tokens += entry.num_tokens
+            self._live += 1
+        entry.pinned_until = max(entry.pinned_until, expires_at)
+        entry.pin_seq = seq
+        self.track(entry)
+
+    def track(self, entry: EntryT, adopted: bool = False) -> None:
+        """Files a pinned entry's current state; `adopted` for a split-off copy of a pin."""
+        self._live += adopted
+        entry.pin_version += 1
+        order = next(self._order)
+        heapq.heappush(
+            self._by_expiry, (entry.pinned_until, -entry.depth, order, entry, entry.pin_version)
+        )
+        if self.max_tokens is not None:
+            heapq.heappush(
+                self._by_age, (entry.pin_seq, -entry.depth, order, entry, entry.pin_version)
+            )
+        for heap in (self._by_expiry, self._by_age):
+            if len(heap) > 2 * self._live + 64:  # amortised O(1) per push
+                heap[:] = [r for r in heap if r[3].pin_version == r[4]]
+                heapq.heapify(heap)
+
+    def unpin(self, entry: EntryT) -> None:
+        self.tokens -= entry.num_tokens
+        self._live -= 1
+        entry.pinned_until = NOT_PINNED
+        entry.pin_version += 1
+
+    def expired(self, now: float) -> Iterator[EntryT]:
+        """Yields entries whose pin ran out (`now > pinned_until`); the caller unpins each."""
+        yield from self._pop_while(self._by_expiry, lambda: self._by_expiry[0][0] < now)
+
+    def over_bound(self) -> Iterator[EntryT]:
+        """Yields the oldest pins while over `max_tokens`; the caller unpins each."""
+        bound = self.max_tokens
+        yield from self._pop_while(self._by_age, lambda: bound is not None and self.tokens > bound)
+
+    def _pop_while(self, heap: list, more: Callable[[], bool]) -> Iterator[EntryT]:
+        while heap and more():
+            *_, entry, version = heapq.heappop(heap)
+            if entry.pin_version == version:
+                yield entry
+
+
+@dataclass(eq=False, slots=True)
+class _Node:
+    key: tuple[int, ...]  # the tokens on the edge into this node
+    slots: list[int] = field(repr=False)  # their KV slots
+    parent: _Node | None = field(repr=False)
+    depth: int  # tokens from the root to this node's end; a split leaves it unchanged
+    child_key: Hashable = None  # this node's key in parent.children
+    children: dict[Hashable, _Node] = field(default_factory=dict, repr=False)
+    lock_ref: int = 0
+    last_access: int = 0  # a logical tick, exact where wall clocks tie
+    leaf_version: int = 0  # matches the one live record of this node in the leaf heap
+    pinned_until: float = NOT_PINNED
+    pin_seq: int = 0
+    pin_version: int = 0
+    alive: bool = True
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.key)
+
+
+class RadixCache:
+    """Radix tree over token runs; see PrefixCache in base.py for the contract.
+
+    Only full pages are cached: match and insert lengths are multiples of `page_size`, and a
+    partial last page stays the caller's. Children of the root are keyed by (namespace, first
+    token or page), so namespaces never share a node. Costs: match/insert O(key length) plus one
+    dict lookup per node; lock/unlock/pin O(depth); evict O(log n) per leaf freed; stats O(1)
+    plus the pins that expired since the last call.
+    """
+
+    stores_slots = True  # slots handed to insert belong to the cache (except duplicates)
+
+    def __init__(
+        self,
+        page_size: int,
+        release: ReleaseFn,
+        clock: Callable[[], float] = time.monotonic,
+        max_pinned_tokens: int | None = None,
+    ) -> None:
+        if page_size <= 0:
+            raise ValueError("page_size must be positive")
+        self.page_size = page_size
+        self._release = release
+        self._clock = clock
+        self._pins: PinBook[_Node] = PinBook(max_pinned_tokens)
+        self._root = _Node(key=(), slots=[], parent=None, depth=0)
+        self._tick = 0
+        self._order = itertools.count()
+        # Candidate leaves, least recently used first. Only a node's newest record is live, and
+        # only while the node is still an unlocked, unpinned leaf; others are skipped when popped.
+        self._leaves: list[tuple[int, int, _Node, int]] = []
+        self._evictable = self._protected = self._pinned = 0
+        self._nodes = self._inserted_total = self._evicted_total = 0
+
+    def match_prefix(self, namespace: Namespace, tokens: Sequence[int]) -> MatchResult:
+        node, length, slots = self._descend(namespace, self._aligned(tokens))
+        return MatchResult(length=length, slots=slots, handle=node)
+
+    def insert(
+        self, namespace: Namespace, tokens: Sequence[int], slots: Sequence[int]
+    ) -> InsertResult:
+        key = self._aligned(tokens)
+        if len(slots) < len(key):
+            raise ValueError(f"{len(slots)} slots for {len(key)} page-aligned tokens")
+        node, cached, cache_slots = self._descend(namespace, key)
+        new_slots = list(slots[cached : len(key)])
+        if self.page_size > 1 and any(s % self.page_size for s in new_slots[:: self.page_size]):
+            raise ValueError("slots must come in whole pages, as the allocator hands them out")
+        if new_slots:
+            leaf = _Node(
+                key=key[cached:],
+                slots=new_slots,
+                parent=node,
+                depth=node.depth + len(new_slots),
+                child_key=self._child_key(node, namespace, key, cached),
+                last_access=self._tick,
+            )
+            node.children[leaf.child_key] = leaf
+            self._nodes += 1
+            self._evictable += len(new_slots)
+            self._inserted_total += len(new_slots)
+            self._push_if_candidate(leaf)
+            node = leaf
+        return InsertResult(cached_length=cached, slots=cache_slots + new_slots, handle=node)
+
+    def lock(self, handle: object) -> None:
+        node = self._live_node(handle)
+        while node is not self._root:
+            self._count(node, -1)
+            node.lock_ref += 1
+            self._count(node, +1)
+            node = node.parent
+
+    def unlock(self, handle: object) -> None:
+        node = self._live_node(handle)
+        # Ancestors hold at least the handle's count, so checking the handle checks the path.
+        if node is not self._root and node.lock_ref <= 0:
+            raise AssertionError("unlock without a matching lock")
+        while node is not self._root:
+            self._count(node, -1)
+            node.lock_ref -= 1
+            self._count(node, +1)
+            self._push_if_candidate(node)
+            node = node.parent
+
+    def pin(self, handle: object, expires_at: float) -> None:
+        """Pins root→handle until the clock passes `expires_at`; a no-op for an evicted handle."""
+        node = self._node(handle)
+        now = self._clock()
+        self._expire_pins(now)
+        if not node.alive or expires_at < now:
+            return
+        seq = self._pins.new_pin()
+        while node is not self._root:
+            self._count(node, -1)
+            self._pins.pin(node, expires_at, seq)
+            self._count(node, +1)
+            node = node.parent
+        for old in self._pins.over_bound():
+            self._unpin(old)
+
+    def evict(self, num_tokens: int) -> int:
+        self._expire_pins(self._clock())
+        freed = 0
+        while freed < num_tokens and self._leaves:
+            _, _, node, version = heapq.heappop(self._leaves)
+            if version != node.leaf_version or not self._is_candidate(node):
+                continue
+            self._release(node.slots)
+            parent = node.parent
+            assert parent is not None
+            del parent.children[node.child_key]
+            node.alive = False
+            freed += node.num_tokens
+            self._evictable -= node.num_tokens
+            self._nodes -= 1
+            self._push_if_candidate(parent)  # a parent left childless is a leaf now
+        self._evicted_total += freed
+        return freed
+
+    def stats(self) -> CacheStats:
+        self._expire_pins(self._clock())
+        return CacheStats(
+            evictable_tokens=self._evictable,
+            protected_tokens=self._protected,
+            pinned_tokens=self._pinned,
+            nodes=self._nodes,
+            inserted_tokens_total=self._inserted_total,
+            evicted_tokens_total=self._evicted_total,
+        )
+
+    def reset(self) -> None:
+        """Drops every unlocked, unpinned entry; locked and pinned paths stay."""
+        self.evict(sys.maxsize)
+
+    def _aligned(self, tokens: Sequence[int]) -> tuple[int, ...]:
+        return tuple(tokens[: len(tokens) - len(tokens) % self.page_size])
+
+    def _child_key(
+        self, parent: _Node, namespace: Namespace, key: tuple[int, ...], at: int
+    ) -> Hashable:
+        first = key[at] if self.page_size == 1 else key[at : at + self.page_size]
+        return (namespace, first) if parent is self._root else first
+
+    def _descend(self, namespace: Namespace, key: tuple[int, ...]) -> tuple[_Node, int, list[int]]:
+        """Walks `key` down the tree, splitting the edge where the match ends, and stamps the
+        path as used. Returns the node ending the match, its length and its slots."""
+        self._tick += 1
+        node, length, slots = self._root, 0, []
+        while length < len(key):
+            child = node.children.get(self._child_key(node, namespace, key, length))
+            if child is None:
+                break
+            common = self._common_length(child.key, key, length)
+            if common < child.num_tokens:
+                child = self._split(child, common)
+            child.last_access = self._tick
+            slots.extend(child.slots)
+            node, length = child, length + common
+        self._push_if_candidate(node)  # its access time changed
+        return node, length, slots
+
+    def _common_length(self, edge: tuple[int, ...], key: tuple[int, ...], start: int) -> int:
+        n = min(len(edge), len(key) - start)
+        if edge[:n] == key[start : start + n]:  # the common case, compared in C
+            return n
+        i = 0
+        while edge[i] == key[start + i]:
+            i += 1
+        return i - i % self.page_size
+
+    def _split(self, child: _Node, at: int) -> _Node:
+        """Cuts `child`'s edge after `at` tokens. The new upper node copies the child's lock count
+        and pin: whoever holds the child holds the whole path through it."""
+        parent = child.parent
+        assert parent is not None
+        upper = _Node(
+            key=child.key[:at],
+            slots=child.slots[:at],
+            parent=parent,
+            depth=child.depth - child.num_tokens + at,
+            child_key=child.child_key,
+            lock_ref=child.lock_ref,
+            last_access=child.last_access,
+            pinned_until=child.pinned_until,
+            pin_seq=child.pin_seq,
+        )
+        parent.children[upper.child_key] = upper
+        child.key, child.slots, child.parent = child.key[at:], child.slots[at:], upper
+        child.child_key = child.key[0] if self.page_size == 1 else child.key[: self.page_size]
+        upper.children[child.child_key] = child
+        self._nodes += 1
+        if upper.pinned_until != NOT_PINNED:
+            self._pins.track(upper, adopted=True)
+        return upper  # token counts are unchanged: both halves sit in the child's category
+
+    def _count(self, node: _Node, sign: int) -> None:
+        """Adds (+1) or removes (-1) a node's tokens from the counter of its current state."""
+        if node.lock_ref:
+            self._protected += sign * node.num_tokens
+        elif node.pinned_until != NOT_PINNED:
+            self._pinned += sign * node.num_tokens
+        else:
+            self._evictable += sign * node.num_tokens
+
+    def _unpin(self, node: _Node) -> None:
+        self._count(node, -1)
+        self._pins.unpin(node)
+        self._count(node, +1)
+        self._push_if_candidate(node)
+
+    def _expire_pins(self, now: float) -> None:
+        for node in self._pins.expired(now):
+            self._unpin(node)
+
+    def _is_candidate(self, node: _Node) -> bool:
+        return (
+            node.alive
+            and node is not self._root
+            and not node.children
+            and node.lock_ref == 0
+            and node.pinned_until == NOT_PINNED
+        )
+
+    def _push_if_candidate(self, node: _Node) -> None:
+        if not self._is_candidate(node):
+            return
+        node.leaf_version += 1
+        heapq.heappush(self._leaves, (node.last_access, next(self._order), node, node.leaf_version))
+        if len(self._leaves) > 2 * self._nodes + 64:  # drop stale records; amortised O(1)
+            self._leaves = [
+                r for r in self._leaves if r[3] == r[2].leaf_version and self._is_candidate(r[2])
+            ]
+            heapq.heapify(self._leaves)
+
+    def _node(self, handle: object) -> _Node:
+        if not isinstance(handle, _Node):
+            raise TypeError(f"not a RadixCache handle: {handle!r}")
+        return handle
+
+    def _live_node(self, handle: object) -> _Node:
+        node = self._node(handle)
+        if not node.alive:
+            raise ValueError("handle refers to an evicted node; lock it before relying on it")
+        return node

@@ -1,0 +1,300 @@
+"""Decides, every step, which tokens of which requests the model computes.
+
+Continuous batching: running requests decode one token each, partly prefilled ones continue
+in chunks, and waiting ones are admitted while the token budget, `max_num_seqs` and the KV
+pool allow. Admission reuses the prefix cache: match, lock, budget memory (counting what
+eviction can free), allocate. When decode runs out of pages the newest request is preempted
+(recompute later); its computed KV stays in the cache so it can hit on the way back in.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from radixserve.cache.base import PrefixCache
+from radixserve.config import EngineConfig
+from radixserve.engine.kv_pool import OutOfSlots, PageAllocator
+from radixserve.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledChunk:
+    request: Request
+    num_tokens: int  # computed this step, from request.num_computed on
+
+    @property
+    def completes_prompt(self) -> bool:
+        """True when this chunk reaches the newest token, so logits must be sampled."""
+        return self.request.num_computed + self.num_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    decodes: list[Request] = field(default_factory=list)  # one token each
+    prefills: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decodes) + sum(c.num_tokens for c in self.prefills)
+
+    @property
+    def empty(self) -> bool:
+        return not self.decodes and not self.prefills
+
+
+@dataclass
+class SchedulerCounters:
+    """Cumulative, in tokens; vLLM's counting rules for queries and hits."""
+
+    prefix_cache_queries: int = 0  # prompt tokens looked up at first admission
+    prefix_cache_hits: int = 0  # of those, tokens found in the cache
+    computed_prompt_tokens: int = 0  # prompt tokens actually run through the model
+    preemptions: int = 0
+
+
+def _common_prefix_len(a: list[int], b: list[int], start: int) -> int:
+    """Length of the common prefix of a and b, given they agree on [0, start)."""
+    lo, hi = start, min(len(a), len(b))
+    # Binary search on slice equality: each comparison runs in C, so this is fast in Python.
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: EngineConfig,
+        allocator: PageAllocator,
+        cache: PrefixCache,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.allocator = allocator
+        self.cache = cache
+        self.page_size = allocator.page_size
+        self.clock = clock
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.counters = SchedulerCounters()
+
+    # ----- queue management -----
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, request: Request, reason: str, keep_kv: bool = True) -> None:
+        """Ends a request wherever it is; releases every slot and lock it holds, once.
+
+        `keep_kv=False` (the forward pass failed) leaves its KV out of the cache.
+        """
+        if request.finished:
+            return
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+            self._release(request, publish=keep_kv)
+        else:
+            self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+
+    # ----- one step -----
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        for request in list(self.running):
+            if budget <= 0:
+                break
+            if request.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            todo = request.num_tokens - request.num_computed
+            if todo == 1:
+                if not self._grow(request, out):
+                    continue  # the request itself was preempted
+                out.decodes.append(request)
+                budget -= 1
+            else:
+                chunk = min(todo, budget)
+                out.prefills.append(ScheduledChunk(request, chunk))
+                budget -= chunk
+        if not out.preempted:  # admitting while preempting would thrash
+            self._admit(out, budget)
+        return out
+
+    def _grow(self, request: Request, out: SchedulerOutput) -> bool:
+        """Gives `request` a slot for its next token, preempting newer requests if needed."""
+        while len(request.slots) <= request.num_computed:
+            if self._allocate_pages(1, request):
+                continue
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            if victim is request:
+                return False
+        return True
+
+    def _allocate_pages(self, num_pages: int, request: Request) -> bool:
+        short = num_pages * self.page_size - self.allocator.free_slots
+        if short > 0:
+            self.cache.evict(short)
+        try:
+            request.slots.extend(self.allocator.allocate(num_pages))
+        except OutOfSlots:
+            return False
+        return True
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.running.remove(request)
+        self._release(request, publish=True)
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.counters.preemptions += 1
+        self.waiting.appendleft(request)
+        out.preempted.append(request)
+        if request in out.decodes:
+            out.decodes.remove(request)
+        out.prefills = [c for c in out.prefills if c.request is not request]
+
+    # ----- admission -----
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        for request in self._admission_order():
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                return
+            if self._waits_for_shared_prefill(request):
+                continue
+            admitted = self._try_admit(request)
+            if admitted is None:
+                return  # out of memory: later requests would not fit either
+            todo = request.num_tokens - request.num_computed
+            if todo == 1:
+                out.decodes.append(request)
+                budget -= 1
+            else:
+                chunk = min(todo, budget)
+                out.prefills.append(ScheduledChunk(request, chunk))
+                budget -= chunk
+
+    def _admission_order(self) -> list[Request]:
+        if self.config.schedule_policy == "fcfs" or len(self.waiting) <= 1:
+            return list(self.waiting)
+        # lpm: longest cached prefix first, but a request that has waited past the limit goes
+        # first in arrival order, so cache-cold requests are never starved. Only the head of
+        # the queue is scanned, which bounds the matching cost with long queues.
+        now = self.clock()
+        scan = list(self.waiting)[: self.config.lpm_scan_limit]
+        aged = [r for r in scan if now - r.arrival_time >= self.config.lpm_max_wait_s]
+        fresh = [r for r in scan if now - r.arrival_time < self.config.lpm_max_wait_s]
+        limit = [r.num_tokens - 1 for r in fresh]
+        hits = [
+            self.cache.match_prefix(r.namespace, r.all_token_ids[:n]).length
+            for r, n in zip(fresh, limit)
+        ]
+        fresh = [r for _, r in sorted(zip(hits, fresh), key=lambda p: -p[0])]
+        return aged + fresh + list(self.waiting)[self.config.lpm_scan_limit :]
+
+    def _waits_for_shared_prefill(self, request: Request) -> bool:
+        """True if a running prefill is computing a long prefix this request shares.
+
+        Admitting it now would compute that prefix a second time; once the other request
+        publishes its chunks, this one hits them instead.
+        """
+        if not self.cache.stores_slots:
+            return False
+        need = self.config.dedup_min_tokens
+        tokens = request.all_token_ids
+        for other in self.running:
+            if other.namespace != request.namespace or not other.is_prefilling:
+                continue
+            shared = _common_prefix_len(tokens, other.all_token_ids, 0)
+            if shared - other.num_computed >= need:
+                return True
+        return False
+
+    def _try_admit(self, request: Request) -> Request | None:
+        # Check, lock, re-check, allocate: locking the match takes it out of what eviction
+        # could free, so the budget is computed after the lock.
+        match = self.cache.match_prefix(request.namespace, request.all_token_ids[: request.num_tokens - 1])
+        self.cache.lock(match.handle)
+        need_tokens = request.num_tokens - match.length
+        need_pages = -(-need_tokens // self.page_size)
+        # Headroom of one page per running request keeps the next decode step from
+        # preempting what was just admitted.
+        headroom = len(self.running) * self.page_size
+        available = self.allocator.free_slots + self.cache.stats().evictable_tokens
+        if need_pages * self.page_size + headroom > available and self.running:
+            self.cache.unlock(match.handle)
+            return None
+        request.slots = list(match.slots)
+        request.cache_len = match.length
+        request.cache_handle = match.handle
+        request.num_computed = match.length
+        if not self._allocate_pages(need_pages, request):
+            self._release(request, publish=False)
+            return None
+        self.waiting.remove(request)
+        self.running.append(request)
+        request.status = RequestStatus.RUNNING
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = match.length
+            request.metrics.first_scheduled_time = self.clock()
+            self.counters.prefix_cache_queries += len(request.prompt_token_ids)
+            self.counters.prefix_cache_hits += match.length
+        return request
+
+    # ----- cache bookkeeping -----
+
+    def publish(self, request: Request) -> None:
+        """Puts the request's computed, page-aligned KV into the prefix cache.
+
+        Called after each prefill chunk (so concurrent requests can hit it at once) and at
+        finish. Where the cache already held a run, our copy is a duplicate: freed, and the
+        slot table re-pointed at the cache's.
+        """
+        if not self.cache.stores_slots:
+            return
+        aligned = request.num_computed // self.page_size * self.page_size
+        if aligned <= request.cache_len:
+            return
+        result = self.cache.insert(
+            request.namespace, request.all_token_ids[:aligned], request.slots[:aligned]
+        )
+        duplicates: list[int] = []
+        for i in range(request.cache_len, aligned):
+            if request.slots[i] != result.slots[i]:
+                duplicates.append(request.slots[i])
+                request.slots[i] = result.slots[i]
+        if duplicates:
+            self.allocator.release(duplicates)
+        self.cache.lock(result.handle)
+        if request.cache_handle is not None:
+            self.cache.unlock(request.cache_handle)
+        request.cache_handle = result.handle
+        request.cache_len = aligned
+
+    def _release(self, request: Request, publish: bool) -> None:
+        if publish:
+            self.publish(request)
+        if request.cache_handle is not None:
+            self.cache.unlock(request.cache_handle)
+        private = request.slots[request.cache_len :]
+        if private:
+            self.allocator.release(private)
+        request.slots = []
+        request.cache_len = 0
+        request.cache_handle = None
+        request.num_computed = 0
+
+    def private_slots(self) -> int:
+        return sum(r.num_private_slots for r in self.running)
