@@ -19,7 +19,7 @@ from radixserve.config import EngineConfig
 from radixserve.engine.kv_pool import KVPool
 from radixserve.engine.request import Request, RequestStatus
 from radixserve.engine.runner import ModelRunner
-from radixserve.engine.scheduler import Scheduler
+from radixserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from radixserve.model.default_model import resolve_model_path
 from radixserve.model.llama import LlamaModel
 from radixserve.model.loader import load_model_files
@@ -286,6 +286,23 @@ class LLMEngine:
             num_cached_tokens=first.num_cached_tokens or 0,
             metrics=first.metrics,
         )
+
+    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Float32 next-token logits after `token_ids`, by one uncached prefill (for scoring and
+        tests). Runs only on an idle engine; holds no KV afterwards."""
+        if self.scheduler.has_work():
+            raise RuntimeError("prompt_logits needs an idle engine")
+        self._check_prompt(token_ids, SamplingParams(max_tokens=0))
+        request = Request("logits", list(token_ids), SamplingParams(max_tokens=1))
+        pages = -(-len(token_ids) // self.pool.page_size)
+        self.cache.evict(pages * self.pool.page_size - self.pool.allocator.free_slots)
+        request.slots = self.pool.allocator.allocate(pages)
+        try:
+            plan = SchedulerOutput(prefills=[ScheduledChunk(request, len(token_ids))])
+            batch, _ = self.runner.build_batch(plan)
+            return self.model(batch, self.pool.k, self.pool.v)[0]
+        finally:
+            self.pool.allocator.release(request.slots)
 
     # ----- accounting -----
 

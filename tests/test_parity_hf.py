@@ -1,0 +1,72 @@
+"""Our forward pass against HF transformers on the same GGUF weights, in float32."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from radixserve import LLM, SamplingParams
+from tests.conftest import SMALL_ENGINE
+
+transformers = pytest.importorskip("transformers")
+
+PROMPT_LENGTHS = [5, 17, 64, 130, 257, 500, 777, 1000]
+# Float32 throughout; the only differences are summation orders (fused qkv, SDPA vs einsum).
+LOGIT_TOLERANCE = 2e-3
+
+
+@pytest.fixture(scope="module")
+def hf_model(model_path):
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(model_path.parent), gguf_file=model_path.name, dtype=torch.float32
+    )
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def llm(model_path):
+    return LLM(str(model_path), dtype="float32", **SMALL_ENGINE)
+
+
+def _prompts(llm: LLM) -> list[list[int]]:
+    # Natural-ish text so greedy decoding does not sit on near-ties between logits.
+    text = (
+        "The history of computing is a story of abstractions. Early machines were programmed "
+        "with switches and cables; later came assembly, then high-level languages, operating "
+        "systems, networks and the web. Each layer hid the one below it. "
+    )
+    rng = random.Random(7)
+    base = llm.tokenizer.encode(text * 40)
+    prompts = []
+    for n in PROMPT_LENGTHS:
+        start = rng.randrange(0, len(base) - n)
+        prompts.append(base[start : start + n])
+    return prompts
+
+
+def test_greedy_generation_matches_hf(llm, hf_model):
+    prompts = _prompts(llm)
+    ours = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(max_tokens=32, temperature=0, ignore_eos=True),
+    )
+    for prompt, result in zip(prompts, ours):
+        ids = torch.tensor([prompt])
+        ref = hf_model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
+            min_new_tokens=32, pad_token_id=0,
+        )[0, len(prompt):].tolist()
+        assert result.outputs[0].token_ids == ref, f"prompt of {len(prompt)} tokens diverged"
+
+
+def test_prefill_logits_match_hf(llm, hf_model):
+    for prompt in _prompts(llm)[:4]:
+        with torch.inference_mode():
+            ref = hf_model(torch.tensor([prompt])).logits[0, -1].float()
+        ours = llm.engine.prompt_logits(prompt)
+        assert torch.allclose(ours, ref, atol=LOGIT_TOLERANCE, rtol=0), (
+            f"max diff {(ours - ref).abs().max():.2e} for {len(prompt)} tokens"
+        )
+    assert llm.pool_stats().private == 0
