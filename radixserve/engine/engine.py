@@ -119,8 +119,13 @@ class LLMEngine:
         params: SamplingParams,
         request_id: str | None = None,
         namespace: Hashable = None,
+        pins: list[tuple[int, float]] | None = None,
     ) -> str:
-        """Queues a prompt (text or token ids); returns its id. Raises ValueError on bad input."""
+        """Queues a prompt (text or token ids); returns its id. Raises ValueError on bad input.
+
+        `namespace` (a tenant's cache_salt) keeps its cache entries apart from other tenants'.
+        `pins` are (prompt offset, TTL seconds) breakpoints whose prefixes stay cached that long.
+        """
         params.validate()
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.groups:
@@ -133,7 +138,7 @@ class LLMEngine:
         group = [
             Request(f"{request_id}-{i}" if params.n > 1 else request_id, ids, params,
                     namespace=(self.config.model, namespace), prompt=text, sample_index=i,
-                    arrival_time=self.clock())
+                    arrival_time=self.clock(), pins=list(pins or []))
             for i in range(params.n)
         ]
         self.groups[request_id] = group

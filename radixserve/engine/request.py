@@ -44,6 +44,9 @@ class Request:
     cache_handle: object | None = None
     num_cached_tokens: int | None = None  # prefix-cache hit at first admission
     num_preemptions: int = 0
+    # cache_control breakpoints still to pin: (prompt token offset, TTL in seconds). The prefix
+    # up to each offset is pinned in the cache once published, until arrival + TTL.
+    pins: list[tuple[int, float]] = field(default_factory=list)
     generator: torch.Generator | None = None
     metrics: RequestMetrics = field(init=False)
     # Text state, kept by the engine's output processing.

@@ -246,6 +246,7 @@ class Scheduler:
         self.waiting.remove(request)
         self.running.append(request)
         request.status = RequestStatus.RUNNING
+        self._apply_pins(request)
         if request.num_cached_tokens is None:
             request.num_cached_tokens = match.length
             request.metrics.first_scheduled_time = self.clock()
@@ -282,6 +283,21 @@ class Scheduler:
             self.cache.unlock(request.cache_handle)
         request.cache_handle = result.handle
         request.cache_len = aligned
+        self._apply_pins(request)
+
+    def _apply_pins(self, request: Request) -> None:
+        """Pins each breakpoint's prefix once the cache holds it (a read refreshes the pin)."""
+        if not request.pins or not self.cache.stores_slots:
+            return
+        waiting = []
+        for offset, ttl in request.pins:
+            aligned = offset // self.page_size * self.page_size
+            if aligned > request.cache_len:
+                waiting.append((offset, ttl))
+            elif aligned > 0:
+                match = self.cache.match_prefix(request.namespace, request.all_token_ids[:aligned])
+                self.cache.pin(match.handle, request.arrival_time + ttl)
+        request.pins = waiting
 
     def _release(self, request: Request, publish: bool) -> None:
         if publish:

@@ -1,0 +1,165 @@
+"""Runs the engine's step loop in a thread beside an asyncio event loop.
+
+The event loop never blocks on the model: requests and aborts travel to the engine thread
+through a queue, and outputs come back through per-request asyncio queues. PyTorch releases
+the GIL inside its kernels, so the HTTP server stays responsive while a step runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixserve.engine.engine import LLMEngine
+from radixserve.outputs import RequestOutput
+from radixserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped; no request can be served."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
+
+
+class AsyncEngine:
+    """Thread-safe front of an `LLMEngine`: `generate` streams, `abort` cancels."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._inbox: queue.Queue[Callable[[], None]] = queue.Queue()
+        self._streams: dict[str, _Stream] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="radixserve-engine", daemon=True)
+        self._thread.start()
+
+    # ----- called from the event loop -----
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        namespace: Hashable = None,
+        **options: Any,
+    ) -> AsyncIterator[RequestOutput]:
+        """Streams cumulative outputs until finished. Leaving the iterator early aborts it.
+
+        Raises ValueError (bad prompt or params) before the first output.
+        """
+        stream = _Stream(asyncio.get_running_loop())
+        added: concurrent.futures.Future[str] = concurrent.futures.Future()
+
+        def add() -> None:
+            try:
+                self._streams[request_id] = stream
+                self.engine.add_request(prompt, params, request_id, namespace, **options)
+                added.set_result(request_id)
+            except BaseException as exc:  # handed to the caller, never kills the thread
+                self._streams.pop(request_id, None)
+                added.set_exception(exc)
+
+        await self._call(add, added)
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    async def run(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Runs `fn(engine)` on the engine thread between steps; returns its result."""
+        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+        def call() -> None:
+            try:
+                done.set_result(fn(self.engine))
+            except BaseException as exc:
+                done.set_exception(exc)
+
+        return await self._call(call, done)
+
+    def abort(self, request_id: str) -> None:
+        """Ends the request within one engine step; safe from any thread, idempotent."""
+
+        def drop() -> None:
+            self._streams.pop(request_id, None)
+            self.engine.abort_request(request_id)
+
+        self._inbox.put(drop)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.engine.scheduler.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.engine.scheduler.running)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._inbox.put(lambda: None)  # wake the thread
+        self._thread.join(timeout)
+
+    async def _call(self, fn: Callable[[], None], result: concurrent.futures.Future[Any]) -> Any:
+        if not self.alive:
+            raise EngineDeadError("the engine has stopped")
+        self._inbox.put(fn)
+        return await asyncio.wrap_future(result)
+
+    # ----- the engine thread -----
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain_inbox(block=not self.engine.has_unfinished_requests())
+                if self.engine.has_unfinished_requests():
+                    self._dispatch(self.engine.step())
+        except BaseException as exc:  # pragma: no cover - a bug; fail every open stream
+            logger.exception("engine loop died")
+            for stream in self._streams.values():
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, EngineDeadError(str(exc)))
+            self._streams.clear()
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            item()
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            if output.finished:
+                del self._streams[output.request_id]
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, output)

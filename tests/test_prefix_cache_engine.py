@@ -1,0 +1,160 @@
+"""The prefix cache inside the engine, on the real default model: reuse is exact (cache on ==
+cache off), honest (num_cached_tokens == the true shared prefix), shared across concurrent
+requests, and kept apart between tenants."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from radixserve import LLM, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+
+def _engine(model_path, **overrides) -> LLM:
+    settings = dict(dtype="float32", kv_cache_tokens=8192, show_progress=False,
+                    debug_invariants=True)
+    settings.update(overrides)
+    return LLM(str(model_path), **settings)
+
+
+@pytest.fixture(scope="module")
+def radix(model_path):
+    return _engine(model_path, prefix_cache="radix")
+
+
+@pytest.fixture(scope="module")
+def off(model_path):
+    return _engine(model_path, prefix_cache="off")
+
+
+def _assert_idle(llm: LLM) -> None:
+    stats = llm.pool_stats()
+    assert stats.balanced, stats
+    assert stats.private == 0 and stats.protected == 0, stats
+
+
+def _mixed_workload(llm: LLM) -> list[list[list[int]]]:
+    """Rounds of prompts: shared system prompt, multi-turn, branching agent, unique ones."""
+    tok = llm.tokenizer
+    system = ("You are a careful assistant for a hardware store. Answer briefly. "
+              "Our opening hours are nine to five, Monday to Saturday. ") * 6
+
+    def chat(*turns: str) -> list[int]:
+        messages = [{"role": "system", "content": system}]
+        for i, text in enumerate(turns):
+            messages.append({"role": "user" if i % 2 == 0 else "assistant", "content": text})
+        return tok.encode_chat(messages)
+
+    agent = ["Find the cheapest hammer.", "Calling search(tool='catalog', q='hammer')",
+             "Result: claw hammer $12, sledge $30."]
+    rng = random.Random(1)
+    unique = [[rng.randrange(200, 40000) for _ in range(rng.randrange(20, 60))] for _ in range(3)]
+    return [
+        [chat("Do you sell nails?"), chat("Are you open on Sunday?"), unique[0]],
+        [chat("Do you sell nails?", "Yes, many sizes.", "Which size for drywall?"),
+         chat(*agent, "Buy the claw hammer."), chat(*agent, "Compare with the sledge."), unique[1]],
+        [chat("Do you sell nails?", "Yes, many sizes.", "Which size for drywall?", "1.25 inch.",
+              "And for a deck?"), chat(*agent[:2], "Result: none found."), unique[2]],
+    ]
+
+
+def _run_rounds(llm: LLM, rounds: list[list[list[int]]]) -> list[list[int]]:
+    out = []
+    for prompts in rounds:
+        results = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+        out.extend(r.outputs[0].token_ids for r in results)
+    return out
+
+
+def test_cache_on_equals_cache_off(radix, off):
+    rounds = _mixed_workload(radix)
+    expected = _run_rounds(off, rounds)
+    assert _run_rounds(radix, rounds) == expected
+    assert radix.engine.scheduler.counters.prefix_cache_hits > 0
+    _assert_idle(radix)
+
+
+@pytest.mark.parametrize("mode, page_size", [("radix", 1), ("radix", 4), ("hash", 16)])
+def test_cache_on_equals_off_under_eviction(model_path, off, mode, page_size):
+    rounds = _mixed_workload(off)
+    expected = _run_rounds(off, rounds)
+    # A pool that holds little more than one round: every round evicts the one before.
+    longest = max(len(p) for r in rounds for p in r)
+    small = _engine(model_path, prefix_cache=mode, page_size=page_size,
+                    kv_cache_tokens=longest * 2)
+    assert _run_rounds(small, rounds) == expected
+    assert small.engine.cache.stats().evicted_tokens_total > 0
+    _assert_idle(small)
+
+
+def _lcp(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+@pytest.mark.parametrize("page_size", [1, 8])
+def test_num_cached_tokens_is_the_true_shared_prefix(model_path, page_size):
+    llm = _engine(model_path, prefix_cache="radix", page_size=page_size)
+    rng = random.Random(5)
+    base = [rng.randrange(200, 40000) for _ in range(120)]
+    prompts = [base[:50], base[:80], base[:30] + [7, 8, 9], base[:80], base[:81] + [5],
+               [9] + base[:40], base[:50]]
+    seen: list[list[int]] = []
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    for prompt in prompts:
+        result = llm.generate({"prompt_token_ids": prompt}, params)[0]
+        best = max((_lcp(prompt, s) for s in seen), default=0)
+        expected = min(best, len(prompt) - 1) // page_size * page_size
+        assert result.num_cached_tokens == expected, (prompt[:3], len(prompt))
+        # What the cache now holds: every token with computed KV (the last sample has none).
+        seen.append((prompt + result.outputs[0].token_ids)[:-1])
+    _assert_idle(llm)
+
+
+def test_concurrent_requests_prefill_a_shared_prefix_once(radix, off):
+    rng = random.Random(11)
+    prefix = [rng.randrange(200, 40000) for _ in range(1000)]
+    suffixes = [[rng.randrange(200, 40000) for _ in range(10)] for _ in range(16)]
+    prompts = [{"prompt_token_ids": prefix + s} for s in suffixes]
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    counters = radix.engine.scheduler.counters
+    before = counters.computed_prompt_tokens
+    results = radix.generate(prompts, params)
+    computed = counters.computed_prompt_tokens - before
+    # The 1,000-token prefix once, plus each request's own suffix.
+    assert computed <= 1000 + 16 * 10, computed
+    assert sum(r.num_cached_tokens for r in results) >= 15 * 1000
+    expected = off.generate(prompts, params)
+    assert [r.outputs[0].token_ids for r in results] == [r.outputs[0].token_ids for r in expected]
+    _assert_idle(radix)
+
+
+def test_tenants_never_share(radix):
+    prompt = {"prompt_token_ids": list(range(300, 700))}
+    params = SamplingParams(max_tokens=1, temperature=0)
+    radix.generate(prompt, params, cache_salt="tenant-a")
+    other = radix.generate(prompt, params, cache_salt="tenant-b")[0]
+    same = radix.generate(prompt, params, cache_salt="tenant-a")[0]
+    unsalted = radix.generate(prompt, params)[0]
+    assert other.num_cached_tokens == 0
+    assert same.num_cached_tokens == 399
+    assert unsalted.num_cached_tokens == 0
+    _assert_idle(radix)
+
+
+def test_n_samples_share_the_prompt(radix):
+    rng = random.Random(3)
+    prompt = {"prompt_token_ids": [rng.randrange(200, 40000) for _ in range(400)]}
+    counters = radix.engine.scheduler.counters
+    before = counters.computed_prompt_tokens
+    result = radix.generate(prompt, SamplingParams(max_tokens=4, temperature=1.0, n=4, seed=1))[0]
+    assert len(result.outputs) == 4
+    assert counters.computed_prompt_tokens - before <= 400 + 3  # one prefill, 3 one-token hits
+    _assert_idle(radix)
