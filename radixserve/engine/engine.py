@@ -105,6 +105,9 @@ class LLMEngine:
         self.groups: dict[str, list[Request]] = {}
         self.computed_tokens_total = 0  # every token run through the model
         self.step_count = 0
+        # Cumulative seconds: scheduling and cache bookkeeping vs. the model (with sampling).
+        self.bookkeeping_seconds = 0.0
+        self.model_seconds = 0.0
         logger.info(
             "model %s (%s, %s on %s): KV pool %d tokens in pages of %d, prefix cache %s",
             self.model_path, mc.architecture, str(self.dtype).removeprefix("torch."),
@@ -175,6 +178,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Runs one batch; returns the outputs of every request group that progressed."""
+        started = time.perf_counter()
         plan = self.scheduler.schedule()
         if plan.empty:
             self._check_invariants()
@@ -182,6 +186,7 @@ class LLMEngine:
         self.step_count += 1
         progressed: set[str] = set()
         wanting = self.runner.requests_wanting_logits(plan)
+        model_started = time.perf_counter()
         try:
             result = self.runner.run(plan, [self._banned_tokens(r) for r in wanting])
         except Exception:
@@ -193,6 +198,8 @@ class LLMEngine:
                 self.scheduler.finish(request, "error", keep_kv=False)
                 progressed.add(self._group_id(request))
             return self._outputs(progressed)
+        model_done = time.perf_counter()
+        self.model_seconds += model_done - model_started
         self.computed_tokens_total += plan.num_tokens
         for chunk in plan.prefills:
             chunk.request.num_computed += chunk.num_tokens
@@ -211,7 +218,9 @@ class LLMEngine:
                 request.output_logprobs.append(logprob)
             self._check_stop(request)
             progressed.add(self._group_id(request))
-        return self._outputs(progressed)
+        outputs = self._outputs(progressed)
+        self.bookkeeping_seconds += (model_started - started) + (time.perf_counter() - model_done)
+        return outputs
 
     def _group_id(self, request: Request) -> str:
         if request.params.n == 1:
