@@ -1,0 +1,122 @@
+"""GGUF loading across tensor types: a small Llama written as GGUF with F32, F16, Q8_0, Q4_0,
+Q4_1, Q4_K and Q6_K tensors loads through our loader and matches HF transformers' logits on
+the same file (HF dequantizes and un-permutes GGUF on its own)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from radixserve import LLM
+
+gguf = pytest.importorskip("gguf")
+transformers = pytest.importorskip("transformers")
+
+Q = gguf.GGMLQuantizationType
+HIDDEN, FFN, HEADS, KV_HEADS, LAYERS = 256, 512, 4, 2, 2
+
+
+def _k_quant_blocks(rows: int, cols: int, kind, rng: np.random.Generator) -> np.ndarray:
+    """Raw K-quant blocks with random quants and small, finite fp16 scales.
+
+    gguf-py can dequantize K-quants but not quantize them, so blocks are built by hand.
+    """
+    blocks = rows * cols // 256
+    if kind == Q.Q6_K:  # ql[128] qh[64] scales[16] (int8) d (fp16): 210 bytes
+        body = rng.integers(0, 256, (blocks, 192), dtype=np.uint8)
+        scales = rng.integers(-8, 8, (blocks, 16), dtype=np.int8).view(np.uint8)
+        d = np.full((blocks, 1), 0.002, dtype=np.float16).view(np.uint8)
+        raw = np.concatenate([body, scales, d], axis=1)
+    else:  # Q4_K: d, dmin (fp16) scales[12] qs[128]: 144 bytes
+        d = np.full((blocks, 1), 0.004, dtype=np.float16).view(np.uint8)
+        dmin = np.full((blocks, 1), 0.002, dtype=np.float16).view(np.uint8)
+        rest = rng.integers(0, 256, (blocks, 140), dtype=np.uint8)
+        raw = np.concatenate([d, dmin, rest], axis=1)
+    return raw.reshape(rows, -1)
+
+
+def _write_gguf(path, source_model_path) -> None:
+    reader = gguf.GGUFReader(str(source_model_path))
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(LAYERS)
+    writer.add_context_length(512)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_feed_forward_length(FFN)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(reader.fields["tokenizer.ggml.tokens"].contents())
+    writer.add_token_types(reader.fields["tokenizer.ggml.token_type"].contents())
+    writer.add_token_merges(reader.fields["tokenizer.ggml.merges"].contents())
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    vocab = len(reader.fields["tokenizer.ggml.tokens"].contents())
+    rng = np.random.default_rng(0)
+
+    def dense(rows: int, cols: int, scale: float = 0.05) -> np.ndarray:
+        return (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
+
+    def add(name: str, rows: int, cols: int, kind) -> None:
+        if kind in (Q.Q4_K, Q.Q6_K):
+            writer.add_tensor(name, _k_quant_blocks(rows, cols, kind, rng), raw_dtype=kind)
+        elif kind == Q.F32:
+            writer.add_tensor(name, dense(rows, cols))
+        elif kind == Q.F16:
+            writer.add_tensor(name, dense(rows, cols).astype(np.float16))
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(dense(rows, cols), kind), raw_dtype=kind)
+
+    add("token_embd.weight", vocab, HIDDEN, Q.Q8_0)
+    head_dim = HIDDEN // HEADS
+    layouts = [
+        (Q.Q4_K, Q.Q6_K, Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.F16, Q.F32),
+        (Q.Q6_K, Q.Q4_K, Q.Q8_0, Q.F16, Q.Q4_1, Q.Q4_0, Q.Q4_K),
+    ]
+    for i, (q, k, v, o, gate, up, down) in enumerate(layouts):
+        add(f"blk.{i}.attn_q.weight", HEADS * head_dim, HIDDEN, q)
+        add(f"blk.{i}.attn_k.weight", KV_HEADS * head_dim, HIDDEN, k)
+        add(f"blk.{i}.attn_v.weight", KV_HEADS * head_dim, HIDDEN, v)
+        add(f"blk.{i}.attn_output.weight", HIDDEN, HEADS * head_dim, o)
+        add(f"blk.{i}.ffn_gate.weight", FFN, HIDDEN, gate)
+        add(f"blk.{i}.ffn_up.weight", FFN, HIDDEN, up)
+        add(f"blk.{i}.ffn_down.weight", HIDDEN, FFN, down)
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", 1 + dense(1, HIDDEN, 0.1)[0])
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", 1 + dense(1, HIDDEN, 0.1)[0])
+    writer.add_tensor("output_norm.weight", np.ones(HIDDEN, dtype=np.float32))
+    add("output.weight", vocab, HIDDEN, Q.Q6_K)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_quantized_gguf_matches_hf(tmp_path, model_path):
+    path = tmp_path / "tiny.gguf"
+    _write_gguf(path, model_path)
+    llm = LLM(str(path), dtype="float32", kv_cache_tokens=1024, show_progress=False)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    generator = torch.Generator().manual_seed(0)
+    for length in (5, 60):
+        ids = torch.randint(200, 40000, (length,), generator=generator).tolist()
+        with torch.inference_mode():
+            expected = hf(torch.tensor([ids])).logits[0, -1]
+        got = llm.engine.prompt_logits(ids)
+        assert torch.allclose(got, expected, atol=1e-4, rtol=1e-4), (got - expected).abs().max()
+
+
+def test_unsupported_gguf_architecture(tmp_path):
+    path = tmp_path / "other.gguf"
+    writer = gguf.GGUFWriter(str(path), "gpt2")
+    writer.add_tensor("x", np.zeros(4, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="supported: llama, qwen2, mistral"):
+        LLM(str(path), show_progress=False)
