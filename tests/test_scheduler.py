@@ -1,0 +1,151 @@
+"""The scheduler's policies on a real cache and allocator, without a model: each step's plan
+is "computed" by advancing the requests as the engine would."""
+
+from __future__ import annotations
+
+import random
+
+from radixserve.cache import make_prefix_cache
+from radixserve.config import EngineConfig
+from radixserve.engine.kv_pool import PageAllocator
+from radixserve.engine.request import Request
+from radixserve.engine.scheduler import Scheduler
+from radixserve.sampling_params import SamplingParams
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _scheduler(pool_tokens: int = 4096, **settings) -> tuple[Scheduler, FakeClock]:
+    config = EngineConfig(show_progress=False, **settings)
+    clock = FakeClock()
+    allocator = PageAllocator(pool_tokens // config.page_size, config.page_size)
+    cache = make_prefix_cache(config.prefix_cache, config.page_size, allocator.release, clock=clock)
+    return Scheduler(config, allocator, cache, clock), clock
+
+
+def _request(rid: str, tokens: list[int], clock: FakeClock, max_tokens: int = 2) -> Request:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    return Request(rid, tokens, params, arrival_time=clock())
+
+
+def _step(scheduler: Scheduler) -> list[Request]:
+    """Schedules one step and applies it as the engine does: returns the admitted order."""
+    plan = scheduler.schedule()
+    sampled = [*plan.decodes, *[c.request for c in plan.prefills if c.completes_prompt]]
+    for chunk in plan.prefills:
+        chunk.request.num_computed += chunk.num_tokens
+        scheduler.publish(chunk.request)
+    for request in plan.decodes:
+        request.num_computed += 1
+    for request in sampled:
+        request.output_token_ids.append(7)
+        if len(request.output_token_ids) >= request.params.max_tokens:
+            scheduler.finish(request, "length")
+    return [c.request for c in plan.prefills]
+
+
+def _check_balance(scheduler: Scheduler) -> None:
+    stats = scheduler.cache.stats()
+    total = (scheduler.allocator.free_slots + stats.evictable_tokens + stats.protected_tokens
+             + stats.pinned_tokens + scheduler.private_slots())
+    assert total == scheduler.allocator.num_slots
+
+
+def _drain(scheduler: Scheduler) -> None:
+    while scheduler.has_work():
+        _step(scheduler)
+        _check_balance(scheduler)
+
+
+def test_lpm_admits_longest_cached_prefix_first():
+    scheduler, clock = _scheduler(schedule_policy="lpm", max_num_seqs=1)
+    rng = random.Random(0)
+    warm = [rng.randrange(100, 9000) for _ in range(200)]
+    scheduler.add(_request("seed", warm + [1], clock))
+    _drain(scheduler)
+    cold = _request("cold", [rng.randrange(100, 9000) for _ in range(50)], clock)
+    hot = _request("hot", warm + [2, 3], clock)
+    scheduler.add(cold)
+    scheduler.add(hot)
+    assert _step(scheduler)[0] is hot  # arrived later, but 200 cached tokens
+    _drain(scheduler)
+
+
+def test_lpm_ages_cold_requests_so_they_are_not_starved():
+    scheduler, clock = _scheduler(schedule_policy="lpm", max_num_seqs=1, lpm_max_wait_s=2.0)
+    rng = random.Random(1)
+    warm = [rng.randrange(100, 9000) for _ in range(200)]
+    scheduler.add(_request("seed", warm + [1], clock))
+    _drain(scheduler)
+    cold = _request("cold", [rng.randrange(100, 9000) for _ in range(50)], clock)
+    scheduler.add(cold)
+    clock.now += 2.5  # the cold request has now waited past the limit
+    scheduler.add(_request("hot", warm + [2, 3], clock))
+    assert _step(scheduler)[0] is cold
+    _drain(scheduler)
+
+
+def test_fcfs_keeps_arrival_order():
+    scheduler, clock = _scheduler(schedule_policy="fcfs", max_num_seqs=1)
+    warm = list(range(300, 500))
+    scheduler.add(_request("seed", warm + [1], clock))
+    _drain(scheduler)
+    first = _request("cold", list(range(600, 650)), clock)
+    scheduler.add(first)
+    scheduler.add(_request("hot", warm + [2], clock))
+    assert _step(scheduler)[0] is first
+    _drain(scheduler)
+
+
+def test_shared_uncached_prefix_is_computed_once():
+    scheduler, clock = _scheduler(max_num_batched_tokens=4096)
+    prefix = list(range(1000, 2000))
+    requests = [_request(f"r{i}", prefix + [5000 + i] * 3, clock) for i in range(16)]
+    for r in requests:
+        scheduler.add(r)
+    first = _step(scheduler)
+    assert first == [requests[0]]  # the others wait for its prefill...
+    second = _step(scheduler)
+    assert set(second) == set(requests[1:])  # ...then hit it
+    assert all(r.num_cached_tokens == 1000 for r in requests[1:])
+    _drain(scheduler)
+
+
+def test_preemption_releases_and_requeues_without_leaks():
+    # Room for two growing requests, three admitted: decode growth must preempt one.
+    scheduler, clock = _scheduler(pool_tokens=64, page_size=4, max_num_batched_tokens=64)
+    requests = [_request(f"r{i}", list(range(100 * i, 100 * i + 10)), clock, max_tokens=12)
+                for i in range(3)]
+    for r in requests:
+        scheduler.add(r)
+    _drain(scheduler)
+    assert all(r.finished and len(r.output_token_ids) == 12 for r in requests)
+    assert scheduler.counters.preemptions > 0
+    stats = scheduler.cache.stats()
+    assert stats.protected_tokens == 0 and scheduler.private_slots() == 0
+    assert scheduler.allocator.free_slots + stats.evictable_tokens == scheduler.allocator.num_slots
+
+
+def test_pins_protect_a_prefix_until_expiry():
+    scheduler, clock = _scheduler(pool_tokens=256, max_num_batched_tokens=512)
+    pinned = _request("pinned", list(range(1000, 1100)), clock)
+    pinned.pins = [(100, 300.0)]
+    scheduler.add(pinned)
+    _drain(scheduler)
+    assert scheduler.cache.stats().pinned_tokens >= 100
+    # Unrelated traffic that needs the whole rest of the pool evicts everything unpinned.
+    for i in range(3):
+        scheduler.add(_request(f"other{i}", list(range(5000 + 200 * i, 5000 + 200 * i + 140)), clock))
+        _drain(scheduler)
+    probe = scheduler.cache.match_prefix(None, list(range(1000, 1100)))
+    assert probe.length == 100
+    clock.now += 301  # past the TTL: the pin stops protecting
+    scheduler.add(_request("late", list(range(7000, 7200)), clock))  # needs the pinned pages
+    _drain(scheduler)
+    assert scheduler.cache.match_prefix(None, list(range(1000, 1100))).length < 100
