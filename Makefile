@@ -24,6 +24,9 @@ serve: model
 test: model
 	$(PY) -m pytest -q $(ARGS)
 
+bench: model
+	$(PY) benchmarks/peers.py $(ARGS)
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check radixserve tests benchmarks
 
