@@ -62,6 +62,8 @@ class AsyncEngine:
         added: concurrent.futures.Future[str] = concurrent.futures.Future()
 
         def add() -> None:
+            if not added.set_running_or_notify_cancel():  # the caller gave up while queued
+                return
             try:
                 self._streams[request_id] = stream
                 self.engine.add_request(prompt, params, request_id, namespace, **options)
@@ -70,9 +72,9 @@ class AsyncEngine:
                 self._streams.pop(request_id, None)
                 added.set_exception(exc)
 
-        await self._call(add, added)
         finished = False
         try:
+            await self._call(add, added)
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
@@ -90,6 +92,8 @@ class AsyncEngine:
         done: concurrent.futures.Future[Any] = concurrent.futures.Future()
 
         def call() -> None:
+            if not done.set_running_or_notify_cancel():
+                return
             try:
                 done.set_result(fn(self.engine))
             except BaseException as exc:
@@ -139,9 +143,8 @@ class AsyncEngine:
                     self._dispatch(self.engine.step())
         except BaseException as exc:  # pragma: no cover - a bug; fail every open stream
             logger.exception("engine loop died")
-            for stream in self._streams.values():
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, EngineDeadError(str(exc)))
-            self._streams.clear()
+            for request_id in list(self._streams):
+                self._send(request_id, EngineDeadError(str(exc)))
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -157,9 +160,15 @@ class AsyncEngine:
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
-            stream = self._streams.get(output.request_id)
-            if stream is None:
-                continue
-            if output.finished:
-                del self._streams[output.request_id]
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, output)
+            if output.request_id in self._streams:
+                self._send(output.request_id, output, last=output.finished)
+
+    def _send(self, request_id: str, item: RequestOutput | BaseException, last: bool = True) -> None:
+        stream = self._streams[request_id]
+        if last:
+            del self._streams[request_id]
+        try:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        except RuntimeError:  # the caller's event loop has closed: nobody is listening
+            self._streams.pop(request_id, None)
+            self.engine.abort_request(request_id)

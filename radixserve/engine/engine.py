@@ -135,7 +135,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self._check_prompt(ids, params)
+        self.check_prompt(ids, params)
         # n samples are n requests with one prompt: the prefix cache lets the later ones hit
         # the first's prefill instead of recomputing it.
         group = [
@@ -149,7 +149,8 @@ class LLMEngine:
             self.scheduler.add(request)
         return request_id
 
-    def _check_prompt(self, ids: list[int], params: SamplingParams) -> None:
+    def check_prompt(self, ids: list[int], params: SamplingParams) -> None:
+        """Raises ValueError when the prompt cannot be served (empty, too long, bad ids)."""
         if not ids:
             raise ValueError("the prompt is empty")
         vocab = self.model_config.vocab_size
@@ -306,7 +307,7 @@ class LLMEngine:
         tests). Runs only on an idle engine; holds no KV afterwards."""
         if self.scheduler.has_work():
             raise RuntimeError("prompt_logits needs an idle engine")
-        self._check_prompt(token_ids, SamplingParams(max_tokens=0))
+        self.check_prompt(token_ids, SamplingParams(max_tokens=0))
         request = Request("logits", list(token_ids), SamplingParams(max_tokens=1))
         pages = -(-len(token_ids) // self.pool.page_size)
         self.cache.evict(pages * self.pool.page_size - self.pool.allocator.free_slots)

@@ -108,12 +108,13 @@ class ModelRunner:
         logits = self.model(batch, self.pool.k, self.pool.v)
         if not wants_logits:
             return StepResult([], SampleResult([], []))
-        samples = sample(
-            logits.cpu(),
-            [r.params for r in wants_logits],
-            [r.generator for r in wants_logits],
-            banned,
-        )
+        with torch.inference_mode():
+            samples = sample(
+                logits.cpu(),
+                [r.params for r in wants_logits],
+                [r.generator for r in wants_logits],
+                banned,
+            )
         return StepResult(wants_logits, samples)
 
     def requests_wanting_logits(self, plan: SchedulerOutput) -> list[Request]:

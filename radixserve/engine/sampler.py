@@ -45,6 +45,8 @@ def sample(
     `banned[i]` lists tokens row i may not produce yet (EOS before min_tokens).
     """
     logits = logits.float()
+    if banned is not None and any(banned):
+        logits = logits.clone()  # the caller's logits stay untouched
     if banned is not None:
         for i, tokens in enumerate(banned):
             if tokens:

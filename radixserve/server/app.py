@@ -1,0 +1,104 @@
+"""The FastAPI app: the OpenAI routes, /health, /metrics, error handlers and drain state.
+
+`create_app(aengine, settings)` builds everything per app (metrics registry, submission
+service, drain state), so tests can make several; other routers mount onto the app it returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
+
+from radixserve.engine.async_engine import AsyncEngine, EngineDeadError
+from radixserve.server.context import ServerContext, context_of
+from radixserve.server.errors import install_error_handlers
+from radixserve.server.metrics import EngineSnapshot, ServerMetrics, take_snapshot
+from radixserve.server.openai_routes import build_openai_router
+from radixserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from radixserve.server.serving import EngineService, Lifecycle
+from radixserve.server.settings import ServerSettings
+
+
+def create_app(aengine: AsyncEngine, settings: ServerSettings | None = None) -> FastAPI:
+    """An app serving `aengine`. The caller owns the engine and shuts it down after the app."""
+    settings = settings or ServerSettings()
+    metrics = ServerMetrics(settings.model_name)
+    lifecycle = Lifecycle()
+    service = EngineService(aengine, settings, metrics, lifecycle)
+    ctx = ServerContext(aengine, settings, metrics, lifecycle, service, created=int(time.time()))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        lifecycle.attach()
+        yield
+        # uvicorn has drained the connections by now; wait for the engine to apply their
+        # aborts before the loop closes under it.
+        lifecycle.draining = True
+        await service.settle()
+
+    app = FastAPI(
+        title="radixserve",
+        summary="OpenAI-compatible LLM server built around prompt caching.",
+        lifespan=lifespan,
+    )
+    app.state.radixserve = ctx
+    install_error_handlers(app)
+    app.include_router(build_openai_router())
+    app.add_api_route("/health", health, methods=["GET"], tags=["ops"])
+    app.add_api_route("/metrics", metrics_text, methods=["GET"], tags=["ops"])
+    _document_bodies(app, [ChatCompletionRequest, CompletionRequest])
+    return app
+
+
+async def health(request: Request) -> Response:
+    """200 while serving; 503 while draining or once the engine has stopped. No auth."""
+    ctx = context_of(request)
+    if ctx.lifecycle.draining:
+        return JSONResponse({"status": "draining"}, status_code=503)
+    if not ctx.aengine.alive:
+        return JSONResponse({"status": "engine stopped"}, status_code=503)
+    return JSONResponse({"status": "ok"})
+
+
+async def _snapshot(ctx: ServerContext) -> EngineSnapshot | None:
+    if not ctx.aengine.alive:
+        return None
+    # Shielded: a cancelled engine call would break the engine thread (see serving._pump).
+    call = asyncio.ensure_future(ctx.aengine.run(take_snapshot))
+    try:
+        return await asyncio.shield(call)
+    except EngineDeadError:
+        return None
+
+
+async def metrics_text(request: Request) -> Response:
+    """Prometheus text exposition; engine figures are a consistent snapshot. No auth."""
+    ctx = context_of(request)
+    body = ctx.metrics.render(await _snapshot(ctx))
+    return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+
+def _document_bodies(app: FastAPI, models: list[type[BaseModel]]) -> None:
+    """Adds the request models (parsed by the routes themselves) to the OpenAPI components."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = build()
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for model in models:
+                doc = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(doc.pop("$defs", {}))
+                components[model.__name__] = doc
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

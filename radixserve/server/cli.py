@@ -1,0 +1,189 @@
+"""`radixserve serve`: load the model, start the engine thread, serve the app with uvicorn.
+
+SIGTERM (or Ctrl-C) drains: new requests are refused, in-flight ones get --shutdown-timeout
+seconds to finish and are then aborted, the engine stops, and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from types import FrameType
+
+from radixserve.config import DTYPES, PREFIX_CACHE_MODES, SCHEDULE_POLICIES, EngineConfig
+from radixserve.server.settings import DEFAULT_MODEL_NAME, ServerSettings
+
+logger = logging.getLogger("radixserve.server")
+
+API_KEY_ENV = "RADIXSERVE_API_KEY"
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a flag's default unless it has none worth showing (unset, or a plain switch)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = subparsers.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve a model over HTTP: POST /v1/chat/completions, POST /v1/completions, "
+                    "GET /v1/models, GET /health, GET /metrics (Prometheus).",
+        formatter_class=_HelpFormatter,
+    )
+    model = p.add_argument_group("model")
+    model.add_argument("--model", default=None,
+                       help="an HF model directory or a .gguf file; unset: the default model "
+                            "(SmolLM2-135M-Instruct, fetched on first use)")
+    model.add_argument("--served-model-name", action="append", default=None, metavar="NAME",
+                       help="name clients send as `model` (repeatable; the first is listed "
+                            "first); unset: --model as given, or SmolLM2-135M-Instruct")
+    model.add_argument("--dtype", choices=DTYPES, default="auto",
+                       help="weights and KV dtype; auto: bfloat16 on GPUs and CPUs with native "
+                            "bf16, else float32")
+    model.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    model.add_argument("--max-model-len", type=int, default=None,
+                       help="context length limit; unset: the model's own")
+    model.add_argument("--num-threads", type=int, default=None,
+                       help="torch CPU threads; unset: torch's default")
+    model.add_argument("--seed", type=int, default=0, help="engine seed")
+
+    cache = p.add_argument_group("KV cache and scheduling")
+    cache.add_argument("--prefix-cache", choices=PREFIX_CACHE_MODES, default="radix",
+                       help="radix: token-granular radix tree; hash: vLLM-style block hashes; "
+                            "off: no reuse")
+    cache.add_argument("--page-size", type=int, default=1,
+                       help="tokens per KV page (1: reuse at any token boundary)")
+    cache.add_argument("--kv-cache-tokens", type=int, default=None,
+                       help="KV pool size in tokens; unset: sized by --kv-cache-memory-gb")
+    cache.add_argument("--kv-cache-memory-gb", type=float, default=1.0,
+                       help="KV pool size in GiB when --kv-cache-tokens is unset")
+    cache.add_argument("--max-num-seqs", type=int, default=64,
+                       help="most sequences in one running batch")
+    cache.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                       help="most tokens computed in one step (longer prefills are chunked)")
+    cache.add_argument("--schedule-policy", choices=SCHEDULE_POLICIES, default="fcfs",
+                       help="fcfs: arrival order; lpm: longest cached prefix first, with aging")
+    cache.add_argument("--debug-invariants", action="store_true",
+                       help="check KV slot accounting whenever the engine is idle (slow; tests)")
+
+    http = p.add_argument_group("HTTP")
+    http.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    http.add_argument("--port", type=int, default=8000, help="port to listen on")
+    http.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                      help="accept only requests bearing this key (repeatable; /health and "
+                           f"/metrics stay open); ${API_KEY_ENV} adds one without showing it "
+                           "in the process list")
+    http.add_argument("--isolate-tenants", action="store_true",
+                      help="give each API key its own prefix-cache namespace, whatever "
+                           "cache_salt a client sends (needs --api-key)")
+    http.add_argument("--max-waiting", type=int, default=1024,
+                      help="requests accepted but without a first token yet; beyond it, 429 "
+                           "with Retry-After")
+    http.add_argument("--max-request-bytes", type=int, default=32 * 2**20,
+                      help="largest request body; larger ones get 413")
+    http.add_argument("--shutdown-timeout", type=float, default=30.0,
+                      help="seconds in-flight requests get to finish after SIGTERM before "
+                           "they are aborted")
+    http.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="log verbosity")
+    http.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
+                      help="log one line per HTTP request")
+    p.set_defaults(func=serve)
+
+
+def _settings(args: argparse.Namespace) -> ServerSettings:
+    names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
+    keys = list(args.api_key or [])
+    if os.environ.get(API_KEY_ENV):
+        keys.append(os.environ[API_KEY_ENV])
+    return ServerSettings(
+        served_model_names=tuple(names),
+        api_keys=tuple(keys),
+        isolate_tenants=args.isolate_tenants,
+        max_waiting=args.max_waiting,
+        max_request_bytes=args.max_request_bytes,
+        shutdown_timeout_s=args.shutdown_timeout,
+    )
+
+
+def _engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model, dtype=args.dtype, device=args.device,
+        kv_cache_tokens=args.kv_cache_tokens, kv_cache_memory_gb=args.kv_cache_memory_gb,
+        page_size=args.page_size, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        prefix_cache=args.prefix_cache, schedule_policy=args.schedule_policy,
+        num_threads=args.num_threads, seed=args.seed, show_progress=sys.stderr.isatty(),
+        debug_invariants=args.debug_invariants,
+    )
+
+
+def serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Heavy imports here, so `radixserve --help` stays fast.
+    import uvicorn
+
+    from radixserve.engine.async_engine import AsyncEngine
+    from radixserve.engine.engine import LLMEngine
+    from radixserve.model.default_model import ModelFetchError
+    from radixserve.server.app import create_app
+
+    try:
+        settings = _settings(args)
+        config = _engine_config(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        engine = LLMEngine(config)
+    except (ModelFetchError, FileNotFoundError, ValueError) as exc:
+        print(f"error: cannot load the model: {exc}", file=sys.stderr)
+        return 1
+    aengine = AsyncEngine(engine)
+    app = create_app(aengine, settings)
+    lifecycle = app.state.radixserve.lifecycle
+
+    class DrainingServer(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            if not self.should_exit:
+                logger.info("signal %d: refusing new requests, draining in-flight ones "
+                            "(up to %.0f s)", sig, settings.shutdown_timeout_s)
+                lifecycle.begin_shutdown(settings.shutdown_timeout_s)
+            super().handle_exit(sig, frame)
+
+    server = DrainingServer(uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level,
+        access_log=args.access_log, lifespan="on",
+        # A backstop only: the drain aborts what is left at shutdown_timeout itself.
+        timeout_graceful_shutdown=int(settings.shutdown_timeout_s) + 5,
+    ))
+    logger.info(
+        "serving %s as %s | KV cache %d tokens (page size %d, %s) | prefix cache %s | "
+        "http://%s:%d", engine.model_path, ", ".join(settings.served_model_names),
+        engine.pool.num_slots, config.page_size, str(engine.dtype).removeprefix("torch."),
+        config.prefix_cache, args.host, args.port)
+    # uvicorn re-raises the signal it stopped on once it is done; with this no-op handler in
+    # place that ends in a normal return (exit 0), not death by the signal.
+    previous = {sig: signal.signal(sig, _after_shutdown) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.run()
+    finally:
+        aengine.shutdown()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    logger.info("stopped")
+    return 0 if server.started else 1
+
+
+def _after_shutdown(sig: int, frame: FrameType | None) -> None:
+    pass
+

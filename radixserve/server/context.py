@@ -1,0 +1,63 @@
+"""What every route reaches through `request.app.state.radixserve`: the engine, the settings,
+the metrics and the submission service of one app (no module-level state)."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+from fastapi import Request
+
+from radixserve.engine.async_engine import AsyncEngine
+from radixserve.model.tokenizer import ChatTokenizer
+from radixserve.server.errors import model_not_found
+from radixserve.server.metrics import ServerMetrics
+from radixserve.server.serving import EngineService, Lifecycle
+from radixserve.server.settings import ServerSettings
+
+
+@dataclass
+class ServerContext:
+    aengine: AsyncEngine
+    settings: ServerSettings
+    metrics: ServerMetrics
+    lifecycle: Lifecycle
+    service: EngineService
+    created: int = 0  # unix time the app was made: the models' `created`
+    _token_text: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def tokenizer(self) -> ChatTokenizer:
+        return self.aengine.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.aengine.engine.max_model_len
+
+    @functools.cached_property
+    def kv_capacity(self) -> int:
+        return self.aengine.engine.pool.num_slots
+
+    @property
+    def vocab_size(self) -> int:
+        return self.aengine.engine.model_config.vocab_size
+
+    def check_model(self, name: str | None) -> str:
+        """The served name a request addresses; 404 for any other."""
+        if name is None:
+            return self.settings.model_name
+        if name not in self.settings.served_model_names:
+            raise model_not_found(name)
+        return name
+
+    def token_text(self, token_id: int) -> str:
+        """A single token's text (special tokens included), memoised: logprobs need many."""
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._token_text[token_id] = text
+        return text
+
+
+def context_of(request: Request) -> ServerContext:
+    return request.app.state.radixserve

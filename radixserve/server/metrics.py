@@ -1,0 +1,159 @@
+"""Prometheus metrics for one app, in a registry of its own (two apps in one process never mix).
+
+Names carry the `radixserve:` prefix and follow vLLM's names and counting rules where vLLM has
+one, so its dashboards and `radixserve bench` read them as they are. Engine-side figures (cache
+counters, pool occupancy) come from a snapshot taken on the engine thread between steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from radixserve.cache.base import CacheStats
+from radixserve.engine.engine import LLMEngine, PoolStats
+
+PREFIX = "radixserve:"
+
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0,
+                 80.0, 160.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+_E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """The engine's state at one instant between steps (consistent across its fields)."""
+
+    pool: PoolStats
+    cache: CacheStats
+    num_running: int
+    num_waiting: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    computed_prompt_tokens: int
+    preemptions: int
+
+
+def take_snapshot(engine: LLMEngine) -> EngineSnapshot:
+    """Run on the engine thread (`AsyncEngine.run`), never beside a step."""
+    counters = engine.scheduler.counters
+    return EngineSnapshot(
+        pool=engine.pool_stats(),
+        cache=engine.cache.stats(),
+        num_running=len(engine.scheduler.running),
+        num_waiting=len(engine.scheduler.waiting),
+        prefix_cache_queries=counters.prefix_cache_queries,
+        prefix_cache_hits=counters.prefix_cache_hits,
+        computed_prompt_tokens=counters.computed_prompt_tokens,
+        preemptions=counters.preemptions,
+    )
+
+
+class _EngineCollector(Collector):
+    """Emits the latest snapshot's figures; the /metrics route refreshes it before a scrape."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.snapshot: EngineSnapshot | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self.snapshot
+        if snap is None:
+            return
+        label = ["model_name"]
+        value = [self.model_name]
+
+        def counter(name: str, doc: str, amount: float) -> Metric:
+            family = CounterMetricFamily(PREFIX + name, doc, labels=label)
+            family.add_metric(value, amount)
+            return family
+
+        def gauge(name: str, doc: str, amount: float) -> Metric:
+            family = GaugeMetricFamily(PREFIX + name, doc, labels=label)
+            family.add_metric(value, amount)
+            return family
+
+        pool = snap.pool
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache "
+                      "(counted once per request, at its first admission).",
+                      snap.prefix_cache_queries)
+        yield counter("prefix_cache_hits", "Of the queried prompt tokens, those found cached.",
+                      snap.prefix_cache_hits)
+        yield counter("prompt_tokens_computed", "Prompt tokens run through the model "
+                      "(preempted requests recompute theirs).", snap.computed_prompt_tokens)
+        yield counter("num_preemptions", "Requests preempted to free KV for others.",
+                      snap.preemptions)
+        yield counter("prefix_cache_inserted_tokens", "Tokens added to the prefix cache.",
+                      snap.cache.inserted_tokens_total)
+        yield counter("prefix_cache_evicted_tokens", "Tokens evicted from the prefix cache.",
+                      snap.cache.evicted_tokens_total)
+        yield gauge("num_requests_running", "Requests (samples) in the running batch.",
+                    snap.num_running)
+        yield gauge("num_requests_waiting", "Requests (samples) waiting for admission.",
+                    snap.num_waiting)
+        # As vLLM counts it: cached but unlocked KV is reclaimable, so it is not "in use".
+        used = pool.total - pool.free - pool.evictable
+        yield gauge("kv_cache_usage_perc", "Fraction of KV slots in use (1 = full); evictable "
+                    "cached slots count as free.", used / pool.total if pool.total else 0.0)
+        yield gauge("kv_cache_capacity_tokens", "KV pool size in tokens.", pool.total)
+        slots = GaugeMetricFamily(
+            PREFIX + "kv_cache_tokens", "KV slots by state: free, evictable (cached, unlocked), "
+            "protected (cached, locked by a request), pinned (cached, held by a TTL), private "
+            "(a running request's own). At idle protected and private are 0.",
+            labels=["model_name", "state"])
+        for state in ("free", "evictable", "protected", "pinned", "private"):
+            slots.add_metric([self.model_name, state], getattr(pool, state))
+        yield slots
+        yield gauge("prefix_cache_nodes", "Nodes (radix) or blocks (hash) in the prefix cache.",
+                    snap.cache.nodes)
+
+
+class ServerMetrics:
+    """Request-side metrics, observed by the routes; engine-side ones come from snapshots."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        reg, label = self.registry, ["model_name"]
+        self.prompt_tokens = Counter(
+            PREFIX + "prompt_tokens", "Prompt tokens of requests that reached their first "
+            "token (cached or not; once per sample).", label, registry=reg).labels(model_name)
+        self.generation_tokens = Counter(
+            PREFIX + "generation_tokens", "Generated tokens.", label, registry=reg
+        ).labels(model_name)
+        self._success = Counter(
+            PREFIX + "request_success", "Finished requests (samples) by finish reason.",
+            ["model_name", "finished_reason"], registry=reg)
+        self.time_to_first_token = Histogram(
+            PREFIX + "time_to_first_token_seconds", "From receipt of the HTTP request to its "
+            "first generated token.", label, buckets=_TTFT_BUCKETS, registry=reg
+        ).labels(model_name)
+        self.inter_token_latency = Histogram(
+            PREFIX + "inter_token_latency_seconds", "Gap between successive outputs of one "
+            "sample.", label, buckets=_ITL_BUCKETS, registry=reg).labels(model_name)
+        self.e2e_request_latency = Histogram(
+            PREFIX + "e2e_request_latency_seconds", "From receipt to the last token, for "
+            "requests that finished (stop or length).", label, buckets=_E2E_BUCKETS,
+            registry=reg).labels(model_name)
+        self._rejected = Counter(
+            PREFIX + "request_rejected", "Requests turned away before reaching the engine, by "
+            "reason (queue_full, shutting_down).", ["model_name", "reason"], registry=reg)
+        self._engine = _EngineCollector(model_name)
+        reg.register(self._engine)
+
+    def request_finished(self, reason: str) -> None:
+        self._success.labels(self.model_name, reason).inc()
+
+    def request_rejected(self, reason: str) -> None:
+        self._rejected.labels(self.model_name, reason).inc()
+
+    def render(self, snapshot: EngineSnapshot | None) -> bytes:
+        """The text exposition; `snapshot` refreshes the engine figures (None keeps the last)."""
+        if snapshot is not None:
+            self._engine.snapshot = snapshot
+        return generate_latest(self.registry)

@@ -1,0 +1,59 @@
+"""OpenAI-compatible routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models.
+
+Usage is engine truth: `prompt_tokens_details.cached_tokens` is exactly the prompt tokens the
+prefix cache supplied (as llama.cpp, and vLLM with --enable-prompt-tokens-details, report it),
+not rounded to OpenAI's 128-token steps, and 0 (never omitted) when nothing was reused.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from pydantic import BaseModel
+
+from radixserve.server.auth import authenticate
+from radixserve.server.context import ServerContext, context_of
+from radixserve.server.openai_chat import create_chat_completion
+from radixserve.server.openai_completions import create_completion
+from radixserve.server.protocol import ChatCompletionRequest, CompletionRequest
+
+
+def build_openai_router() -> APIRouter:
+    router = APIRouter(dependencies=[Depends(_authenticate)], tags=["openai"])
+    router.add_api_route("/v1/models", list_models, methods=["GET"])
+    router.add_api_route("/v1/models/{model_id:path}", retrieve_model, methods=["GET"])
+    router.add_api_route("/v1/chat/completions", create_chat_completion, methods=["POST"],
+                         openapi_extra=request_body_doc(ChatCompletionRequest))
+    router.add_api_route("/v1/completions", create_completion, methods=["POST"],
+                         openapi_extra=request_body_doc(CompletionRequest))
+    return router
+
+
+def request_body_doc(model: type[BaseModel]) -> dict[str, Any]:
+    """OpenAPI for a body the route parses itself (the schema is added to the components)."""
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+async def _authenticate(request: Request) -> None:
+    request.state.api_key = authenticate(request, context_of(request).settings)
+
+
+# ----- models -----
+
+
+def _model_card(ctx: ServerContext, name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": ctx.created,
+            "owned_by": ctx.settings.owned_by, "max_model_len": ctx.max_model_len}
+
+
+async def list_models(request: Request) -> dict[str, Any]:
+    ctx = context_of(request)
+    return {"object": "list",
+            "data": [_model_card(ctx, name) for name in ctx.settings.served_model_names]}
+
+
+async def retrieve_model(request: Request, model_id: str) -> dict[str, Any]:
+    ctx = context_of(request)
+    return _model_card(ctx, ctx.check_model(model_id))

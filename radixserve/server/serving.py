@@ -1,0 +1,265 @@
+"""Between the routes and the engine: admission (429 when the queue is full, 503 while shutting
+down), per-request streams that abort their engine work when the client leaves, the drain on
+shutdown, and the per-request metrics (TTFT, inter-token latency, E2E, finish reasons).
+
+Every API's routes (OpenAI's, Anthropic's) submit through `EngineService.generate`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Hashable
+from dataclasses import dataclass
+
+from radixserve.engine.async_engine import AsyncEngine, EngineDeadError
+from radixserve.outputs import RequestOutput
+from radixserve.sampling_params import SamplingParams
+from radixserve.server.errors import APIError, bad_request
+from radixserve.server.metrics import ServerMetrics
+from radixserve.server.settings import ServerSettings
+
+logger = logging.getLogger(__name__)
+
+
+def shutting_down_error(retry_after_s: int) -> APIError:
+    return APIError(503, "The server is shutting down; retry on another instance.",
+                    code="shutting_down", headers={"retry-after": str(retry_after_s)})
+
+
+@dataclass(frozen=True)
+class Job:
+    """One prompt to generate from; an HTTP request may carry several (completions)."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    namespace: Hashable = None
+
+
+_END = object()  # a job's pump finished
+_Item = tuple[int, object]  # (job index, RequestOutput | exception | _END)
+
+
+class Lifecycle:
+    """Draining state. `begin_shutdown` may be called from a signal handler."""
+
+    def __init__(self) -> None:
+        self.draining = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._streams: set[asyncio.Queue[_Item]] = set()
+
+    def attach(self) -> None:
+        """Remembers the serving loop; called from it."""
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+
+    def begin_shutdown(self, grace_s: float) -> None:
+        """Refuses new requests now; aborts the ones still running after `grace_s`."""
+        self.draining = True
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._loop.call_later, grace_s, self._abort_all)
+
+    def _abort_all(self) -> None:
+        if self._streams:
+            logger.warning("shutdown: aborting %d in-flight requests", len(self._streams))
+        for stream in list(self._streams):
+            stream.put_nowait((-1, ShuttingDown()))
+
+    def register(self, stream: asyncio.Queue[_Item]) -> None:
+        self._streams.add(stream)
+
+    def unregister(self, stream: asyncio.Queue[_Item]) -> None:
+        self._streams.discard(stream)
+
+
+class ShuttingDown(Exception):
+    """The drain period ended before this request did."""
+
+
+class _JobTracker:
+    """One job's progress as the metrics see it (per sample for n > 1)."""
+
+    def __init__(self, metrics: ServerMetrics, job: Job, received_at: float) -> None:
+        self.metrics = metrics
+        self.job = job
+        self.received_at = received_at
+        n = job.params.n
+        self.started = False
+        self.tokens = [0] * n
+        self.last_token_at = [0.0] * n
+        self.finished: list[str | None] = [None] * n
+
+    def observe(self, output: RequestOutput, now: float) -> None:
+        m = self.metrics
+        for sample in output.outputs:
+            i = sample.index
+            new = len(sample.token_ids) - self.tokens[i]
+            if new > 0:
+                if not self.started:
+                    self.started = True
+                    m.time_to_first_token.observe(now - self.received_at)
+                    m.prompt_tokens.inc(len(self.job.prompt_ids) * self.job.params.n)
+                elif self.tokens[i] > 0:
+                    m.inter_token_latency.observe(now - self.last_token_at[i])
+                self.tokens[i] += new
+                self.last_token_at[i] = now
+                m.generation_tokens.inc(new)
+            if sample.finish_reason is not None and self.finished[i] is None:
+                self.finished[i] = sample.finish_reason
+                m.request_finished(sample.finish_reason)
+        if output.finished and all(r in ("stop", "length") for r in self.finished):
+            m.e2e_request_latency.observe(now - self.received_at)
+
+    def close(self) -> None:
+        """Counts samples left unfinished (client gone, shutdown, error) as aborted."""
+        for i, reason in enumerate(self.finished):
+            if reason is None:
+                self.finished[i] = "abort"
+                self.metrics.request_finished("abort")
+
+
+class EngineService:
+    """Submits jobs to the engine on behalf of the routes."""
+
+    def __init__(
+        self, aengine: AsyncEngine, settings: ServerSettings, metrics: ServerMetrics,
+        lifecycle: Lifecycle,
+    ) -> None:
+        self.aengine = aengine
+        self.settings = settings
+        self.metrics = metrics
+        self.lifecycle = lifecycle
+        # Accepted jobs without a first token yet: the waiting queue as clients feel it.
+        self.num_queued = 0
+        self._cleanups: set[asyncio.Task[None]] = set()
+
+    def check_open(self) -> None:
+        """Raises 503 while draining or when the engine has stopped."""
+        if self.lifecycle.draining:
+            self.metrics.request_rejected("shutting_down")
+            raise shutting_down_error(self.settings.retry_after_s)
+        if not self.aengine.alive:
+            raise APIError(503, "The engine has stopped; this server cannot generate.",
+                           code="engine_stopped")
+
+    def admit(self, num_jobs: int) -> None:
+        """Raises 429 (with Retry-After) when the waiting queue is full, 503 while draining."""
+        self.check_open()
+        if self.num_queued + num_jobs > self.settings.max_waiting:
+            self.metrics.request_rejected("queue_full")
+            raise APIError(
+                429, f"The server is at capacity ({self.num_queued} requests waiting, limit "
+                f"{self.settings.max_waiting}); retry after {self.settings.retry_after_s} s.",
+                code="rate_limit_exceeded",
+                headers={"retry-after": str(self.settings.retry_after_s)})
+
+    async def generate(
+        self, jobs: list[Job], request_id: str, received_at: float
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Streams (job index, cumulative output) until every job finishes.
+
+        Call `admit` first. Closing the iterator early (client gone) aborts every job; engine
+        errors surface as APIError (400 for a prompt the engine refuses, 503 if it stopped).
+        """
+        self.lifecycle.attach()
+        stream: asyncio.Queue[_Item] = asyncio.Queue()
+        trackers = [_JobTracker(self.metrics, job, received_at) for job in jobs]
+        ids = [request_id if len(jobs) == 1 else f"{request_id}-p{i}" for i in range(len(jobs))]
+        pumps = [asyncio.create_task(self._pump(i, job, rid, stream))
+                 for i, (job, rid) in enumerate(zip(jobs, ids, strict=True))]
+        self.lifecycle.register(stream)
+        self.num_queued += len(jobs)
+        queued = [True] * len(jobs)
+        remaining = len(jobs)
+        try:
+            while remaining:
+                index, item = await stream.get()
+                if item is _END:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise self._translate(item) from item
+                else:
+                    assert isinstance(item, RequestOutput)
+                    trackers[index].observe(item, time.monotonic())
+                    if queued[index] and trackers[index].started:
+                        queued[index] = False
+                        self.num_queued -= 1
+                    yield index, item
+        finally:
+            for pump in pumps:
+                pump.cancel()
+            self.lifecycle.unregister(stream)
+            self.num_queued -= sum(queued)
+            for tracker in trackers:
+                tracker.close()
+
+    async def _pump(self, index: int, job: Job, request_id: str, stream: asyncio.Queue[_Item]) -> None:
+        outputs = self.aengine.generate(job.prompt_ids, job.params, request_id,
+                                        namespace=job.namespace)
+        first = asyncio.ensure_future(anext(outputs))
+        finished = False
+        try:
+            # Shielded: AsyncEngine sets the result of its add future on the engine thread
+            # without checking for cancellation, and that error kills the engine loop; so the
+            # add is never cancelled midway (see `_abandon`).
+            output = await asyncio.shield(first)
+            while True:
+                finished = output.finished
+                stream.put_nowait((index, output))
+                if finished:
+                    break
+                output = await anext(outputs)
+            stream.put_nowait((index, _END))
+        except asyncio.CancelledError:
+            if not first.done():
+                cleanup = asyncio.create_task(self._abandon(first, outputs))
+                self._cleanups.add(cleanup)
+                cleanup.add_done_callback(self._cleanups.discard)
+            raise
+        except Exception as exc:  # handed to the consumer, which owns the HTTP response
+            finished = True
+            stream.put_nowait((index, exc))
+        finally:
+            if not finished:
+                # The client is gone. The abort is queued behind the add, so it applies after.
+                self.aengine.abort(request_id)
+
+    async def _abandon(self, first: asyncio.Future[RequestOutput],
+                       outputs: AsyncGenerator[RequestOutput, None]) -> None:
+        """Ends a stream whose add was still queued when its client left."""
+        # The engine thread runs its inbox in order: once this no-op has run, so have the
+        # add and the abort queued before it, and cancelling can no longer hit the add.
+        with contextlib.suppress(EngineDeadError):
+            await self.aengine.run(lambda engine: None)
+        first.cancel()
+        await asyncio.wait([first])
+        if not first.cancelled():
+            first.exception()  # mark it retrieved: the client it was for is gone
+        await outputs.aclose()
+
+    async def settle(self, timeout_s: float = 10.0) -> None:
+        """Waits until the engine has applied every abort queued so far; called at shutdown,
+        so that no output is dispatched to the event loop after it closes."""
+        if self._cleanups:
+            await asyncio.wait(list(self._cleanups), timeout=timeout_s)
+        if self.aengine.alive:
+            with contextlib.suppress(EngineDeadError, asyncio.TimeoutError):
+                # The inbox runs in order: once this no-op has run, so have the aborts.
+                await asyncio.wait_for(asyncio.shield(self.aengine.run(lambda engine: None)),
+                                       timeout_s)
+
+    def _translate(self, exc: BaseException) -> APIError:
+        if isinstance(exc, APIError):
+            return exc
+        if isinstance(exc, ShuttingDown):
+            return shutting_down_error(self.settings.retry_after_s)
+        if isinstance(exc, ValueError):  # the engine refused the prompt or its parameters
+            return bad_request(str(exc))
+        if isinstance(exc, EngineDeadError):
+            return APIError(503, "The engine has stopped; this server cannot generate.",
+                            code="engine_stopped")
+        logger.error("engine request failed", exc_info=exc)
+        return APIError(500, "The engine failed while generating; it has been logged.",
+                        type="server_error")

@@ -1,0 +1,45 @@
+"""What the HTTP layer needs beyond the engine's own config: names, keys, limits.
+
+`radixserve serve` builds one from its flags; tests and embedders build one directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """HTTP-side settings. Engine settings live in `EngineConfig`."""
+
+    # The names clients may send as `model`; the first is the one /v1/models lists first.
+    served_model_names: tuple[str, ...] = (DEFAULT_MODEL_NAME,)
+    # Bearer keys; empty means the API is open. /health and /metrics are always open.
+    api_keys: tuple[str, ...] = ()
+    # Each API key gets its own cache namespace, whatever cache_salt the client sends.
+    isolate_tenants: bool = False
+    # Requests accepted but without a first token yet (waiting or prefilling); more get 429.
+    max_waiting: int = 1024
+    max_request_bytes: int = 32 * 2**20  # larger bodies get 413
+    # SIGTERM: in-flight requests get this long to finish before they are aborted.
+    shutdown_timeout_s: float = 30.0
+    retry_after_s: int = 1  # the Retry-After sent with 429 and 503
+    owned_by: str = "radixserve"
+
+    def __post_init__(self) -> None:
+        if not self.served_model_names:
+            raise ValueError("at least one served model name is needed")
+        if self.isolate_tenants and not self.api_keys:
+            raise ValueError("isolate_tenants needs at least one API key (tenants are keys)")
+        if self.max_waiting < 1:
+            raise ValueError("max_waiting must be >= 1")
+        if self.max_request_bytes < 1024:
+            raise ValueError("max_request_bytes must be >= 1024")
+        if self.shutdown_timeout_s < 0:
+            raise ValueError("shutdown_timeout_s must be >= 0")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
