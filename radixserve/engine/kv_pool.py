@@ -62,7 +62,11 @@ class PageAllocator:
 
 
 class KVPool:
-    """K and V storage for every layer: `[num_slots, num_kv_heads, head_dim]` each."""
+    """K and V storage for every layer: `[num_kv_heads, num_slots, head_dim]` each.
+
+    Head-major, so that gathering a request's slots yields attention's `[heads, tokens, dim]`
+    layout directly, with no transposing copy of the gathered keys and values.
+    """
 
     def __init__(
         self,
@@ -75,7 +79,7 @@ class KVPool:
         device: torch.device | str,
     ) -> None:
         self.allocator = PageAllocator(num_pages, page_size)
-        shape = (num_pages * page_size, num_kv_heads, head_dim)
+        shape = (num_kv_heads, num_pages * page_size, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
