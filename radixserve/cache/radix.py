@@ -310,7 +310,6 @@ class RadixCache:
             depth=child.depth - child.num_tokens + at,
             child_key=child.child_key,
             lock_ref=child.lock_ref,
-            last_access=child.last_access,
             pinned_until=child.pinned_until,
             pin_seq=child.pin_seq,
         )
