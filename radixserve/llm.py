@@ -97,7 +97,7 @@ class LLM:
         engine = self.engine
         ids: list[str] = []
         try:
-            for prompt, p in zip(prompts, params):
+            for prompt, p in zip(prompts, params, strict=True):
                 ids.append(engine.add_request(prompt, p, namespace=cache_salt))
         except Exception:
             for rid in ids:  # a bad prompt in the batch: leave nothing queued or allocated

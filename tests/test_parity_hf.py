@@ -52,7 +52,7 @@ def test_greedy_generation_matches_hf(llm, hf_model):
         [{"prompt_token_ids": p} for p in prompts],
         SamplingParams(max_tokens=32, temperature=0, ignore_eos=True),
     )
-    for prompt, result in zip(prompts, ours):
+    for prompt, result in zip(prompts, ours, strict=True):
         ids = torch.tensor([prompt])
         ref = hf_model.generate(
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,

@@ -92,7 +92,7 @@ def test_cache_on_equals_off_under_eviction(model_path, off, mode, page_size):
 
 def _lcp(a: list[int], b: list[int]) -> int:
     n = 0
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=False):
         if x != y:
             break
         n += 1

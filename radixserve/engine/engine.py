@@ -210,7 +210,7 @@ class LLMEngine:
             request.num_computed += 1
         now = self.clock()
         for request, token, logprob in zip(
-            result.sampled, result.samples.token_ids, result.samples.logprobs
+            result.sampled, result.samples.token_ids, result.samples.logprobs, strict=True
         ):
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now

@@ -53,7 +53,7 @@ class ModelRunner:
         if plan.decodes:
             longest = max(lengths)
             # Padding reads slot 0 (any valid slot would do); the mask hides it.
-            table = [r.slots[:n] + [0] * (longest - n) for r, n in zip(plan.decodes, lengths)]
+            table = [r.slots[:n] + [0] * (longest - n) for r, n in zip(plan.decodes, lengths, strict=True)]
             decode_slots = torch.tensor(table, dtype=torch.int64).to(self.device)
             if min(lengths) != longest or (self.window and longest > self.window):
                 cols = torch.arange(longest)

@@ -66,6 +66,6 @@ def sample(
         for row, i in enumerate(want):
             k = params[i].logprobs or 0
             top = torch.topk(lp[row], k) if k else None
-            top_map = dict(zip(top.indices.tolist(), top.values.tolist())) if top else {}
+            top_map = dict(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top else {}
             logprobs[i] = (float(lp[row, tokens[i]]), top_map)
     return SampleResult(tokens, logprobs)

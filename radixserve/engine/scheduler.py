@@ -199,9 +199,9 @@ class Scheduler:
         limit = [r.num_tokens - 1 for r in fresh]
         hits = [
             self.cache.match_prefix(r.namespace, r.all_token_ids[:n]).length
-            for r, n in zip(fresh, limit)
+            for r, n in zip(fresh, limit, strict=True)
         ]
-        fresh = [r for _, r in sorted(zip(hits, fresh), key=lambda p: -p[0])]
+        fresh = [r for _, r in sorted(zip(hits, fresh, strict=True), key=lambda p: -p[0])]
         return aged + fresh + list(self.waiting)[self.config.lpm_scan_limit :]
 
     def _waits_for_shared_prefill(self, request: Request) -> bool:

@@ -1,4 +1,5 @@
-"""The FastAPI app: the OpenAI routes, /health, /metrics, error handlers and drain state.
+"""The FastAPI app: the OpenAI and Anthropic routes, /health, /metrics, error handlers and
+drain state.
 
 `create_app(aengine, settings)` builds everything per app (metrics registry, submission
 service, drain state), so tests can make several; other routers mount onto the app it returns.
@@ -18,6 +19,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
 from radixserve.engine.async_engine import AsyncEngine, EngineDeadError
+from radixserve.server.anthropic_accounting import CacheLedger
+from radixserve.server.anthropic_protocol import CountTokensRequest, MessagesRequest
+from radixserve.server.anthropic_routes import install_anthropic_api
 from radixserve.server.context import ServerContext, context_of
 from radixserve.server.errors import install_error_handlers
 from radixserve.server.metrics import EngineSnapshot, ServerMetrics, take_snapshot
@@ -34,6 +38,10 @@ def create_app(aengine: AsyncEngine, settings: ServerSettings | None = None) -> 
     lifecycle = Lifecycle()
     service = EngineService(aengine, settings, metrics, lifecycle)
     ctx = ServerContext(aengine, settings, metrics, lifecycle, service, created=int(time.time()))
+    # TTL pins and vendor cache entries must age on one clock (stand-in engines may have none).
+    clock = getattr(aengine.engine, "clock", time.monotonic)
+    ledger = CacheLedger(settings, metrics, clock)
+    service.default_usage = ledger.openai
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -46,15 +54,17 @@ def create_app(aengine: AsyncEngine, settings: ServerSettings | None = None) -> 
 
     app = FastAPI(
         title="radixserve",
-        summary="OpenAI-compatible LLM server built around prompt caching.",
+        summary="OpenAI- and Anthropic-compatible LLM server built around prompt caching.",
         lifespan=lifespan,
     )
     app.state.radixserve = ctx
     install_error_handlers(app)
     app.include_router(build_openai_router())
+    install_anthropic_api(app, ledger, clock, settings.enable_clock_control)
     app.add_api_route("/health", health, methods=["GET"], tags=["ops"])
     app.add_api_route("/metrics", metrics_text, methods=["GET"], tags=["ops"])
-    _document_bodies(app, [ChatCompletionRequest, CompletionRequest])
+    _document_bodies(app, [ChatCompletionRequest, CompletionRequest, MessagesRequest,
+                           CountTokensRequest])
     return app
 
 

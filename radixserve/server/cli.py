@@ -11,10 +11,11 @@ import logging
 import os
 import signal
 import sys
+import time
 from types import FrameType
 
 from radixserve.config import DTYPES, PREFIX_CACHE_MODES, SCHEDULE_POLICIES, EngineConfig
-from radixserve.server.settings import DEFAULT_MODEL_NAME, ServerSettings
+from radixserve.server.settings import CACHE_ACCOUNTING_MODES, DEFAULT_MODEL_NAME, ServerSettings
 
 logger = logging.getLogger("radixserve.server")
 
@@ -34,9 +35,10 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = subparsers.add_parser(
         "serve",
-        help="serve a model over an OpenAI-compatible HTTP API",
+        help="serve a model over OpenAI- and Anthropic-compatible HTTP APIs",
         description="Serve a model over HTTP: POST /v1/chat/completions, POST /v1/completions, "
-                    "GET /v1/models, GET /health, GET /metrics (Prometheus).",
+                    "GET /v1/models, POST /v1/messages, POST /v1/messages/count_tokens, "
+                    "GET /health, GET /metrics (Prometheus).",
         formatter_class=_HelpFormatter,
     )
     model = p.add_argument_group("model")
@@ -72,6 +74,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                        help="most tokens computed in one step (longer prefills are chunked)")
     cache.add_argument("--schedule-policy", choices=SCHEDULE_POLICIES, default="fcfs",
                        help="fcfs: arrival order; lpm: longest cached prefix first, with aging")
+    cache.add_argument("--max-pinned-fraction", type=float, default=0.5,
+                       help="most of the KV pool that cache_control TTL pins may hold; beyond "
+                            "it the oldest pin yields first")
     cache.add_argument("--debug-invariants", action="store_true",
                        help="check KV slot accounting whenever the engine is idle (slow; tests)")
 
@@ -93,6 +98,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     http.add_argument("--shutdown-timeout", type=float, default=30.0,
                       help="seconds in-flight requests get to finish after SIGTERM before "
                            "they are aborted")
+    caching = p.add_argument_group("prompt-cache accounting and cost")
+    caching.add_argument("--cache-accounting", choices=CACHE_ACCOUNTING_MODES, default="engine",
+                         help="usage fields: engine = what the prefix cache really reused and "
+                              "wrote; vendor = the vendor's documented rules (Anthropic's on "
+                              "/v1/messages, OpenAI's on the OpenAI routes)")
+    caching.add_argument("--min-cacheable-tokens", type=int, default=None,
+                         help="vendor accounting: the minimum cacheable prefix for every model; "
+                              "unset: each model profile's own (1,024 for claude-sonnet-4-5)")
+    caching.add_argument("--prices", default=None, metavar="FILE",
+                         help="JSON price overrides per model profile or model-id prefix "
+                              "($/MTok and cache multipliers); unset: the built-in table")
+    caching.add_argument("--enable-clock-control", action="store_true",
+                         help="TESTS ONLY: mount POST /debug/clock/advance, which moves the "
+                              "engine's clock forward so cache TTLs expire without waiting")
+
     http.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="log verbosity")
     http.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
                       help="log one line per HTTP request")
@@ -111,6 +131,10 @@ def _settings(args: argparse.Namespace) -> ServerSettings:
         max_waiting=args.max_waiting,
         max_request_bytes=args.max_request_bytes,
         shutdown_timeout_s=args.shutdown_timeout,
+        cache_accounting=args.cache_accounting,
+        min_cacheable_tokens=args.min_cacheable_tokens,
+        prices_path=args.prices,
+        enable_clock_control=args.enable_clock_control,
     )
 
 
@@ -122,7 +146,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         prefix_cache=args.prefix_cache, schedule_policy=args.schedule_policy,
         num_threads=args.num_threads, seed=args.seed, show_progress=sys.stderr.isatty(),
-        debug_invariants=args.debug_invariants,
+        debug_invariants=args.debug_invariants, max_pinned_fraction=args.max_pinned_fraction,
     )
 
 
@@ -132,19 +156,25 @@ def serve(args: argparse.Namespace) -> int:
     # Heavy imports here, so `radixserve --help` stays fast.
     import uvicorn
 
+    from radixserve.caching import load_prices
     from radixserve.engine.async_engine import AsyncEngine
     from radixserve.engine.engine import LLMEngine
     from radixserve.model.default_model import ModelFetchError
+    from radixserve.server.anthropic_accounting import OffsetClock
     from radixserve.server.app import create_app
 
     try:
         settings = _settings(args)
         config = _engine_config(args)
-    except ValueError as exc:
+        if settings.prices_path:
+            load_prices(settings.prices_path)  # a bad file fails here, before the model loads
+    except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
-        engine = LLMEngine(config)
+        # Clock control swaps the engine's clock for one a test can move forward.
+        engine = LLMEngine(config, clock=OffsetClock() if settings.enable_clock_control
+                           else time.monotonic)
     except (ModelFetchError, FileNotFoundError, ValueError) as exc:
         print(f"error: cannot load the model: {exc}", file=sys.stderr)
         return 1

@@ -10,11 +10,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from radixserve.cache.base import CacheStats
+from radixserve.caching.usage import CacheUsage
 from radixserve.engine.engine import LLMEngine, PoolStats
 
 PREFIX = "radixserve:"
@@ -143,11 +144,38 @@ class ServerMetrics:
         self._rejected = Counter(
             PREFIX + "request_rejected", "Requests turned away before reaching the engine, by "
             "reason (queue_full, shutting_down).", ["model_name", "reason"], registry=reg)
+        # Prompt caching as billed: the usage fields the responses carried, priced at the
+        # vendor's rates (--prices), beside what the same requests would cost uncached.
+        api = ["model_name", "api"]
+        self._cost = Counter(
+            PREFIX + "request_cost_usd", "Dollars the requests cost at the price table's rates, "
+            "with prompt caching as the usage fields report it.", api, registry=reg)
+        self._uncached_cost = Counter(
+            PREFIX + "request_uncached_cost_usd", "Dollars the same requests would cost "
+            "with nothing cached.", api, registry=reg)
+        self._saved = Gauge(
+            PREFIX + "prompt_cache_saved_usd", "Cumulative dollars saved by prompt caching "
+            "(uncached minus cached cost); negative while cache writes have not paid off yet.",
+            api, registry=reg)
+        self._cache_usage = Counter(
+            PREFIX + "prompt_cache_usage_tokens", "Prompt tokens as the usage fields reported "
+            "them, by kind: read, write_5m, write_1h, uncached.", ["model_name", "api", "kind"],
+            registry=reg)
         self._engine = _EngineCollector(model_name)
         reg.register(self._engine)
 
     def request_finished(self, reason: str) -> None:
         self._success.labels(self.model_name, reason).inc()
+
+    def request_billed(self, api: str, usage: CacheUsage, cost: float, uncached_cost: float) -> None:
+        """Counts one finished request's cache usage and dollars (`api`: anthropic, openai)."""
+        self._cost.labels(self.model_name, api).inc(cost)
+        self._uncached_cost.labels(self.model_name, api).inc(uncached_cost)
+        self._saved.labels(self.model_name, api).inc(uncached_cost - cost)
+        kinds = {"read": usage.cache_read_tokens, "write_5m": usage.cache_write_5m_tokens,
+                 "write_1h": usage.cache_write_1h_tokens, "uncached": usage.uncached_tokens}
+        for kind, tokens in kinds.items():
+            self._cache_usage.labels(self.model_name, api, kind).inc(tokens)
 
     def request_rejected(self, reason: str) -> None:
         self._rejected.labels(self.model_name, reason).inc()

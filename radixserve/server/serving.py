@@ -11,8 +11,9 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Hashable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Hashable
 from dataclasses import dataclass
+from typing import Protocol
 
 from radixserve.engine.async_engine import AsyncEngine, EngineDeadError
 from radixserve.outputs import RequestOutput
@@ -29,6 +30,15 @@ def shutting_down_error(retry_after_s: int) -> APIError:
                     code="shutting_down", headers={"retry-after": str(retry_after_s)})
 
 
+class UsageTracker(Protocol):
+    """A job's prompt-cache accounting (radixserve.server.anthropic_accounting): it sees every
+    output (and may restate its usage figures) and is closed once when the job ends."""
+
+    def observe(self, output: RequestOutput) -> RequestOutput: ...
+
+    def close(self) -> None: ...
+
+
 @dataclass(frozen=True)
 class Job:
     """One prompt to generate from; an HTTP request may carry several (completions)."""
@@ -36,6 +46,10 @@ class Job:
     prompt_ids: list[int]
     params: SamplingParams
     namespace: Hashable = None
+    # cache_control breakpoints: (prompt token offset, TTL seconds), pinned by the engine.
+    pins: tuple[tuple[int, float], ...] = ()
+    # The route's own accounting; None: the service's `default_usage`, if any.
+    usage: UsageTracker | None = None
 
 
 _END = object()  # a job's pump finished
@@ -133,6 +147,8 @@ class EngineService:
         self.lifecycle = lifecycle
         # Accepted jobs without a first token yet: the waiting queue as clients feel it.
         self.num_queued = 0
+        # Accounting for jobs that bring none (the OpenAI routes); set by the app.
+        self.default_usage: Callable[[Job], UsageTracker] | None = None
         self._cleanups: set[asyncio.Task[None]] = set()
 
     def check_open(self) -> None:
@@ -166,6 +182,8 @@ class EngineService:
         self.lifecycle.attach()
         stream: asyncio.Queue[_Item] = asyncio.Queue()
         trackers = [_JobTracker(self.metrics, job, received_at) for job in jobs]
+        usage = [job.usage or (self.default_usage(job) if self.default_usage else None)
+                 for job in jobs]
         ids = [request_id if len(jobs) == 1 else f"{request_id}-p{i}" for i in range(len(jobs))]
         pumps = [asyncio.create_task(self._pump(i, job, rid, stream))
                  for i, (job, rid) in enumerate(zip(jobs, ids, strict=True))]
@@ -182,6 +200,9 @@ class EngineService:
                     raise self._translate(item) from item
                 else:
                     assert isinstance(item, RequestOutput)
+                    accounting = usage[index]
+                    if accounting is not None:
+                        item = accounting.observe(item)
                     trackers[index].observe(item, time.monotonic())
                     if queued[index] and trackers[index].started:
                         queued[index] = False
@@ -194,10 +215,14 @@ class EngineService:
             self.num_queued -= sum(queued)
             for tracker in trackers:
                 tracker.close()
+            for job_usage in usage:
+                if job_usage is not None:
+                    job_usage.close()
 
     async def _pump(self, index: int, job: Job, request_id: str, stream: asyncio.Queue[_Item]) -> None:
+        options = {"pins": list(job.pins)} if job.pins else {}
         outputs = self.aengine.generate(job.prompt_ids, job.params, request_id,
-                                        namespace=job.namespace)
+                                        namespace=job.namespace, **options)
         first = asyncio.ensure_future(anext(outputs))
         finished = False
         try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+CACHE_ACCOUNTING_MODES = ("engine", "vendor")
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,16 @@ class ServerSettings:
     shutdown_timeout_s: float = 30.0
     retry_after_s: int = 1  # the Retry-After sent with 429 and 503
     owned_by: str = "radixserve"
+    # Usage fields: "engine" reports what the prefix cache really did; "vendor" reproduces
+    # the vendor's documented accounting (Anthropic rules on /v1/messages, OpenAI's on
+    # /v1/chat/completions and /v1/completions).
+    cache_accounting: str = "engine"
+    # Overrides every vendor profile's minimum cacheable prefix (vendor accounting only).
+    min_cacheable_tokens: int | None = None
+    prices_path: str | None = None  # JSON price overrides (radixserve.caching.prices)
+    # Mounts POST /debug/clock/advance, which moves the engine's (and the vendor
+    # emulation's) clock forward so tests can expire TTLs; never in production.
+    enable_clock_control: bool = False
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
@@ -39,6 +50,10 @@ class ServerSettings:
             raise ValueError("max_request_bytes must be >= 1024")
         if self.shutdown_timeout_s < 0:
             raise ValueError("shutdown_timeout_s must be >= 0")
+        if self.cache_accounting not in CACHE_ACCOUNTING_MODES:
+            raise ValueError(f"cache_accounting must be one of {CACHE_ACCOUNTING_MODES}")
+        if self.min_cacheable_tokens is not None and self.min_cacheable_tokens < 0:
+            raise ValueError("min_cacheable_tokens must be >= 0")
 
     @property
     def model_name(self) -> str:
