@@ -13,7 +13,7 @@ import torch
 from radixserve.engine.kv_pool import KVPool
 from radixserve.engine.request import Request
 from radixserve.engine.sampler import SampleResult, sample
-from radixserve.engine.scheduler import SchedulerOutput
+from radixserve.engine.scheduler import SchedulerOutput, common_prefix_len
 from radixserve.model.llama import ForwardBatch, LlamaModel, PrefillSpan
 
 
@@ -30,6 +30,8 @@ class ModelRunner:
         self.pool = pool
         self.device = device
         self.window = model.config.sliding_window
+        # Below this, gathering a shared prefix once saves less than the extra matmuls cost.
+        self.min_shared_prefix = 64
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
@@ -49,14 +51,19 @@ class ModelRunner:
             logit_rows.append(len(ids) - 1)
             wants_logits.append(request)
             lengths.append(pos + 1)
-        decode_slots = decode_mask = None
+        decode_shared = decode_slots = decode_mask = None
         if plan.decodes:
-            longest = max(lengths)
+            shared = self._shared_decode_prefix(plan.decodes, lengths)
+            if shared:
+                decode_shared = self._tensor(plan.decodes[0].slots[:shared])
+            own = [n - shared for n in lengths]
+            longest = max(own)
             # Padding reads slot 0 (any valid slot would do); the mask hides it.
-            table = [r.slots[:n] + [0] * (longest - n) for r, n in zip(plan.decodes, lengths, strict=True)]
+            table = [r.slots[shared:shared + n] + [0] * (longest - n)
+                     for r, n in zip(plan.decodes, own, strict=True)]
             decode_slots = torch.tensor(table, dtype=torch.int64).to(self.device)
-            if min(lengths) != longest or (self.window and longest > self.window):
-                cols = torch.arange(longest)
+            if min(own) != longest or (self.window and max(lengths) > self.window):
+                cols = torch.arange(longest) + shared
                 lens = torch.tensor(lengths).unsqueeze(1)
                 mask = cols < lens
                 if self.window:
@@ -95,12 +102,29 @@ class ModelRunner:
             positions=self._tensor(positions),
             write_slots=self._tensor(write_slots),
             num_decode=len(plan.decodes),
+            decode_shared_slots=decode_shared,
             decode_slots=decode_slots,
             decode_mask=decode_mask,
             prefills=prefills,
             logit_rows=self._tensor(logit_rows),
         )
         return batch, wants_logits
+
+    def _shared_decode_prefix(self, decodes: list[Request], lengths: list[int]) -> int:
+        """Leading context slots that every decode request shares (0 if too few to matter).
+
+        Shared slots mean shared KV: the prefix cache hands every request that hit one system
+        prompt the same slots for it.
+        """
+        if len(decodes) < 2 or self.window:
+            return 0
+        first = decodes[0].slots
+        shared = min(lengths) - 1  # each request's newest token is always its own
+        for request in decodes[1:]:
+            shared = common_prefix_len(first, request.slots, 0, shared)
+            if shared < self.min_shared_prefix:
+                return 0
+        return shared
 
     def run(self, plan: SchedulerOutput, banned: list[set[int] | None]) -> StepResult:
         """Runs the plan; `banned` is per request wanting logits, in the order returned."""

@@ -56,9 +56,9 @@ class SchedulerCounters:
     preemptions: int = 0
 
 
-def _common_prefix_len(a: list[int], b: list[int], start: int) -> int:
-    """Length of the common prefix of a and b, given they agree on [0, start)."""
-    lo, hi = start, min(len(a), len(b))
+def common_prefix_len(a: list[int], b: list[int], start: int = 0, limit: int | None = None) -> int:
+    """Length of the common prefix of a and b (at most `limit`), given they agree on [0, start)."""
+    lo, hi = start, min(len(a), len(b), limit if limit is not None else len(a))
     # Binary search on slice equality: each comparison runs in C, so this is fast in Python.
     while lo < hi:
         mid = (lo + hi + 1) // 2
@@ -217,7 +217,7 @@ class Scheduler:
         for other in self.running:
             if other.namespace != request.namespace or not other.is_prefilling:
                 continue
-            shared = _common_prefix_len(tokens, other.all_token_ids, 0)
+            shared = common_prefix_len(tokens, other.all_token_ids)
             if shared - other.num_computed >= need:
                 return True
         return False

@@ -38,7 +38,10 @@ class ForwardBatch:
     positions: torch.Tensor  # [T] int64
     write_slots: torch.Tensor  # [T] int64: the KV slot each new token's K/V is written to
     num_decode: int
-    decode_slots: torch.Tensor | None  # [B, L] slots of each decode request's context, padded
+    # Decode contexts: a prefix of slots shared by every decode request (a common system prompt
+    # held once in the prefix cache), then each request's own slots, padded.
+    decode_shared_slots: torch.Tensor | None  # [P], or None when nothing is shared
+    decode_slots: torch.Tensor | None  # [B, L] each request's slots after the shared prefix
     decode_mask: torch.Tensor | None  # [B, 1, 1, L] bool; None when nothing is padded
     prefills: list[PrefillSpan]
     logit_rows: torch.Tensor  # [R] rows whose next-token logits are wanted
@@ -152,21 +155,42 @@ class Attention(nn.Module):
         # One query per request against its gathered context, as batched matmuls over
         # (kv head, request): on CPU this beats SDPA's flash kernel (tuned for long queries) by
         # an order of magnitude, and the head-major pool makes the gather the only large copy.
+        # A prefix shared by all requests is gathered and multiplied once for the whole batch
+        # instead of once per request: with one long system prompt under every chat, that
+        # gather dominated the step.
         assert batch.decode_slots is not None
         b, length = batch.decode_slots.shape
         heads, groups, dim = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
         flat = batch.decode_slots.view(-1)
         keys = k_cache.index_select(1, flat).view(heads * b, length, dim)
         values = v_cache.index_select(1, flat).view(heads * b, length, dim)
-        q = q.view(b, heads, groups, dim).transpose(0, 1).reshape(heads * b, groups, dim)
-        scores = torch.bmm(q, keys.transpose(1, 2)).float() * self.scale  # [H*b, G, L]
+        q_by_head = q.view(b, heads, groups, dim).transpose(0, 1)  # [H, b, G, D]
+        own = q_by_head.reshape(heads * b, groups, dim)
+        scores = torch.bmm(own, keys.transpose(1, 2)).float() * self.scale  # [H*b, G, L]
         if batch.decode_mask is not None:
             scores = scores.view(heads, b, groups, length).masked_fill(
                 ~batch.decode_mask.view(1, b, 1, length), float("-inf")
             ).view(heads * b, groups, length)
-        probs = torch.softmax(scores, dim=-1).to(values.dtype)
-        out = torch.bmm(probs, values).view(heads, b, groups, dim).transpose(0, 1)
-        return out.reshape(b, self.num_heads, dim)
+        shared = batch.decode_shared_slots
+        if shared is None:
+            probs = torch.softmax(scores, dim=-1).to(values.dtype)
+            out = torch.bmm(probs, values).view(heads, b, groups, dim)
+            return out.transpose(0, 1).reshape(b, self.num_heads, dim)
+        shared_keys = k_cache.index_select(1, shared)  # [H, P, D]
+        shared_values = v_cache.index_select(1, shared)
+        pooled = q_by_head.reshape(heads, b * groups, dim)
+        shared_scores = torch.bmm(pooled, shared_keys.transpose(1, 2)).float() * self.scale
+        prefix = shared.shape[0]
+        both = torch.cat(
+            (shared_scores.view(heads, b, groups, prefix), scores.view(heads, b, groups, length)),
+            dim=-1,
+        )
+        probs = torch.softmax(both, dim=-1).to(values.dtype)
+        shared_probs = probs[..., :prefix].reshape(heads, b * groups, prefix)
+        own_probs = probs[..., prefix:].reshape(heads * b, groups, length)
+        out = torch.bmm(shared_probs, shared_values).view(heads, b, groups, dim)
+        out = out + torch.bmm(own_probs, values).view(heads, b, groups, dim)
+        return out.transpose(0, 1).reshape(b, self.num_heads, dim)
 
 
 class MLP(nn.Module):
