@@ -158,3 +158,31 @@ def test_n_samples_share_the_prompt(radix):
     assert len(result.outputs) == 4
     assert counters.computed_prompt_tokens - before <= 400 + 3  # one prefill, 3 one-token hits
     _assert_idle(radix)
+
+
+def test_decode_groups_sharing_different_prefixes_match_cache_off(radix, off):
+    # Two system prompts, three chats each, decoding in one batch: each trio's prefix is
+    # gathered once per step for the trio, and outputs equal the cache-off ones.
+    rng = random.Random(21)
+    systems = [[rng.randrange(200, 40000) for _ in range(150)] for _ in range(2)]
+    prompts = [{"prompt_token_ids": systems[i % 2] + [rng.randrange(200, 40000) for _ in range(4 + i)]}
+               for i in range(6)]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    runner = radix.engine.runner
+    seen: list[list[tuple[int, int]]] = []
+    original = runner._group_decodes
+
+    def spy(decodes):
+        groups = original(decodes)
+        seen.append([(len(members), shared) for members, shared in groups])
+        return groups
+
+    runner._group_decodes = spy
+    try:
+        radix.generate(prompts[:2], SamplingParams(max_tokens=1, temperature=0))  # warm both
+        got = [r.outputs[0].token_ids for r in radix.generate(prompts, params)]
+    finally:
+        del runner._group_decodes
+    assert any(sorted(g) == [(3, 150), (3, 150)] for g in seen), seen
+    assert got == [r.outputs[0].token_ids for r in off.generate(prompts, params)]
+    _assert_idle(radix)

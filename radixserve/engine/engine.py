@@ -186,15 +186,14 @@ class LLMEngine:
             return []
         self.step_count += 1
         progressed: set[str] = set()
-        wanting = self.runner.requests_wanting_logits(plan)
         model_started = time.perf_counter()
         try:
-            result = self.runner.run(plan, [self._banned_tokens(r) for r in wanting])
+            result = self.runner.run(plan, self._banned_tokens)
         except Exception:
             # A failed forward pass leaves undefined KV in the scheduled requests' slots: fail
             # them without publishing that KV, and keep serving the rest.
-            logger.exception("forward pass failed; failing %d requests", len(wanting))
             failed = list(plan.decodes) + [c.request for c in plan.prefills]
+            logger.exception("forward pass failed; failing %d requests", len(failed))
             for request in failed:
                 self.scheduler.finish(request, "error", keep_kv=False)
                 progressed.add(self._group_id(request))

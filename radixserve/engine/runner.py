@@ -6,6 +6,7 @@ request's known tokens get logits (a mid-prompt chunk needs none).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -14,7 +15,7 @@ from radixserve.engine.kv_pool import KVPool
 from radixserve.engine.request import Request
 from radixserve.engine.sampler import SampleResult, sample
 from radixserve.engine.scheduler import SchedulerOutput, common_prefix_len
-from radixserve.model.llama import ForwardBatch, LlamaModel, PrefillSpan
+from radixserve.model.llama import DecodeGroup, ForwardBatch, LlamaModel, PrefillSpan
 
 
 @dataclass
@@ -42,33 +43,19 @@ class ModelRunner:
         write_slots: list[int] = []
         logit_rows: list[int] = []
         wants_logits: list[Request] = []
-        lengths: list[int] = []
-        for request in plan.decodes:
-            pos = request.num_computed
-            ids.append(request.token_at(pos))
-            positions.append(pos)
-            write_slots.append(request.slots[pos])
-            logit_rows.append(len(ids) - 1)
-            wants_logits.append(request)
-            lengths.append(pos + 1)
-        decode_shared = decode_slots = decode_mask = None
-        if plan.decodes:
-            shared = self._shared_decode_prefix(plan.decodes, lengths)
-            if shared:
-                decode_shared = self._tensor(plan.decodes[0].slots[:shared])
-            own = [n - shared for n in lengths]
-            longest = max(own)
-            # Padding reads slot 0 (any valid slot would do); the mask hides it.
-            table = [r.slots[shared:shared + n] + [0] * (longest - n)
-                     for r, n in zip(plan.decodes, own, strict=True)]
-            decode_slots = torch.tensor(table, dtype=torch.int64).to(self.device)
-            if min(own) != longest or (self.window and max(lengths) > self.window):
-                cols = torch.arange(longest) + shared
-                lens = torch.tensor(lengths).unsqueeze(1)
-                mask = cols < lens
-                if self.window:
-                    mask &= cols >= lens - self.window
-                decode_mask = mask[:, None, None, :].to(self.device)
+        groups: list[DecodeGroup] = []
+        for members, shared in self._group_decodes(plan.decodes):
+            start = len(ids)
+            lengths = []
+            for request in members:
+                pos = request.num_computed
+                ids.append(request.token_at(pos))
+                positions.append(pos)
+                write_slots.append(request.slots[pos])
+                logit_rows.append(len(ids) - 1)
+                wants_logits.append(request)
+                lengths.append(pos + 1)
+            groups.append(self._decode_group(members, lengths, shared, start))
         prefills: list[PrefillSpan] = []
         for chunk in plan.prefills:
             request, n = chunk.request, chunk.num_tokens
@@ -102,32 +89,75 @@ class ModelRunner:
             positions=self._tensor(positions),
             write_slots=self._tensor(write_slots),
             num_decode=len(plan.decodes),
-            decode_shared_slots=decode_shared,
-            decode_slots=decode_slots,
-            decode_mask=decode_mask,
+            decode_groups=groups,
             prefills=prefills,
             logit_rows=self._tensor(logit_rows),
         )
         return batch, wants_logits
 
-    def _shared_decode_prefix(self, decodes: list[Request], lengths: list[int]) -> int:
-        """Leading context slots that every decode request shares (0 if too few to matter).
+    def _group_decodes(self, decodes: list[Request]) -> list[tuple[list[Request], int]]:
+        """Splits decode requests into groups that share a long context prefix, plus one group
+        of the rest; returns (members, shared prefix length) per group.
 
-        Shared slots mean shared KV: the prefix cache hands every request that hit one system
-        prompt the same slots for it.
+        Shared slots mean shared KV: the prefix cache hands every request that hit one prompt
+        prefix the same slots for it, so requests are grouped by their first slot.
         """
-        if len(decodes) < 2 or self.window:
-            return 0
-        first = decodes[0].slots
-        shared = min(lengths) - 1  # each request's newest token is always its own
-        for request in decodes[1:]:
+        if self.window or len(decodes) < 2:
+            return [(decodes, 0)] if decodes else []
+        by_first: dict[int, list[Request]] = {}
+        for request in decodes:
+            by_first.setdefault(request.slots[0], []).append(request)
+        groups: list[tuple[list[Request], int]] = []
+        rest: list[Request] = []
+        for members in by_first.values():
+            shared = self._shared_prefix(members) if len(members) > 1 else 0
+            if shared:
+                groups.append((members, shared))
+            else:
+                rest.extend(members)
+        if rest:
+            groups.append((rest, 0))
+        return groups
+
+    def _shared_prefix(self, members: list[Request]) -> int:
+        """Leading context slots all members share (0 if too few to be worth a group)."""
+        first = members[0].slots
+        # Each request's newest token is always its own.
+        shared = min(r.num_computed for r in members)
+        for request in members[1:]:
             shared = common_prefix_len(first, request.slots, 0, shared)
             if shared < self.min_shared_prefix:
                 return 0
         return shared
 
-    def run(self, plan: SchedulerOutput, banned: list[set[int] | None]) -> StepResult:
-        """Runs the plan; `banned` is per request wanting logits, in the order returned."""
+    def _decode_group(
+        self, members: list[Request], lengths: list[int], shared: int, start: int
+    ) -> DecodeGroup:
+        own = [n - shared for n in lengths]
+        longest = max(own)
+        # Padding reads slot 0 (any valid slot would do); the mask hides it.
+        table = [r.slots[shared : shared + n] + [0] * (longest - n)
+                 for r, n in zip(members, own, strict=True)]
+        mask = None
+        if min(own) != longest or (self.window and max(lengths) > self.window):
+            cols = torch.arange(longest) + shared
+            lens = torch.tensor(lengths).unsqueeze(1)
+            keep = cols < lens
+            if self.window:
+                keep &= cols >= lens - self.window
+            mask = keep[:, None, None, :].to(self.device)
+        return DecodeGroup(
+            start=start,
+            end=start + len(members),
+            shared_slots=self._tensor(members[0].slots[:shared]) if shared else None,
+            slots=torch.tensor(table, dtype=torch.int64).to(self.device),
+            mask=mask,
+        )
+
+    def run(
+        self, plan: SchedulerOutput, banned: Callable[[Request], set[int] | None]
+    ) -> StepResult:
+        """Runs the plan and samples; `banned(request)` lists tokens it may not produce yet."""
         batch, wants_logits = self.build_batch(plan)
         logits = self.model(batch, self.pool.k, self.pool.v)
         if not wants_logits:
@@ -137,10 +167,6 @@ class ModelRunner:
                 logits.cpu(),
                 [r.params for r in wants_logits],
                 [r.generator for r in wants_logits],
-                banned,
+                [banned(r) for r in wants_logits],
             )
         return StepResult(wants_logits, samples)
-
-    def requests_wanting_logits(self, plan: SchedulerOutput) -> list[Request]:
-        """The requests `run` will sample for, in its order (to prepare `banned`)."""
-        return list(plan.decodes) + [c.request for c in plan.prefills if c.completes_prompt]

@@ -28,6 +28,21 @@ class PrefillSpan:
 
 
 @dataclass
+class DecodeGroup:
+    """Decode requests in rows [start, end) whose contexts begin with the same KV slots.
+
+    The shared prefix (a system prompt held once in the prefix cache) is gathered and
+    multiplied once for the group; each request's own slots follow, padded to the longest.
+    """
+
+    start: int
+    end: int
+    shared_slots: torch.Tensor | None  # [P]; None for the group of requests sharing nothing
+    slots: torch.Tensor  # [b, L] each request's slots after the shared prefix, padded
+    mask: torch.Tensor | None  # [b, 1, 1, L] bool; None when nothing is padded
+
+
+@dataclass
 class ForwardBatch:
     """Everything the forward pass needs about where tokens sit and what they attend to.
 
@@ -38,11 +53,7 @@ class ForwardBatch:
     positions: torch.Tensor  # [T] int64
     write_slots: torch.Tensor  # [T] int64: the KV slot each new token's K/V is written to
     num_decode: int
-    # Decode contexts: a prefix of slots shared by every decode request (a common system prompt
-    # held once in the prefix cache), then each request's own slots, padded.
-    decode_shared_slots: torch.Tensor | None  # [P], or None when nothing is shared
-    decode_slots: torch.Tensor | None  # [B, L] each request's slots after the shared prefix
-    decode_mask: torch.Tensor | None  # [B, 1, 1, L] bool; None when nothing is padded
+    decode_groups: list[DecodeGroup]  # cover rows [0, num_decode)
     prefills: list[PrefillSpan]
     logit_rows: torch.Tensor  # [R] rows whose next-token logits are wanted
 
@@ -127,9 +138,9 @@ class Attention(nn.Module):
         v_cache.index_copy_(1, batch.write_slots, v.transpose(0, 1))
 
         out = torch.empty_like(q)
-        nd = batch.num_decode
-        if nd:
-            out[:nd] = self._decode_attention(q[:nd], batch, k_cache, v_cache)
+        for group in batch.decode_groups:
+            rows = slice(group.start, group.end)
+            out[rows] = self._decode_attention(q[rows], group, k_cache, v_cache)
         for span in batch.prefills:
             rows = slice(span.start, span.start + span.length)
             if span.context_slots is None:
@@ -150,28 +161,27 @@ class Attention(nn.Module):
 
 
     def _decode_attention(
-        self, q: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor
+        self, q: torch.Tensor, group: DecodeGroup, k_cache: torch.Tensor, v_cache: torch.Tensor
     ) -> torch.Tensor:
         # One query per request against its gathered context, as batched matmuls over
         # (kv head, request): on CPU this beats SDPA's flash kernel (tuned for long queries) by
         # an order of magnitude, and the head-major pool makes the gather the only large copy.
-        # A prefix shared by all requests is gathered and multiplied once for the whole batch
-        # instead of once per request: with one long system prompt under every chat, that
-        # gather dominated the step.
-        assert batch.decode_slots is not None
-        b, length = batch.decode_slots.shape
+        # A prefix shared by the group is gathered and multiplied once for all of it instead of
+        # once per request: with one long system prompt under every chat, that gather
+        # dominated the step.
+        b, length = group.slots.shape
         heads, groups, dim = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
-        flat = batch.decode_slots.view(-1)
+        flat = group.slots.view(-1)
         keys = k_cache.index_select(1, flat).view(heads * b, length, dim)
         values = v_cache.index_select(1, flat).view(heads * b, length, dim)
         q_by_head = q.view(b, heads, groups, dim).transpose(0, 1)  # [H, b, G, D]
         own = q_by_head.reshape(heads * b, groups, dim)
         scores = torch.bmm(own, keys.transpose(1, 2)).float() * self.scale  # [H*b, G, L]
-        if batch.decode_mask is not None:
+        if group.mask is not None:
             scores = scores.view(heads, b, groups, length).masked_fill(
-                ~batch.decode_mask.view(1, b, 1, length), float("-inf")
+                ~group.mask.view(1, b, 1, length), float("-inf")
             ).view(heads * b, groups, length)
-        shared = batch.decode_shared_slots
+        shared = group.shared_slots
         if shared is None:
             probs = torch.softmax(scores, dim=-1).to(values.dtype)
             out = torch.bmm(probs, values).view(heads, b, groups, dim)
