@@ -29,6 +29,9 @@ REPO = Path(__file__).resolve().parent.parent
 PEERS_HOME = REPO / "results" / "peers"
 LLAMA_CPP_VERSION = "0.3.36"
 RADIXSERVE_MODES = ("radix", "hash", "off")
+# radixserve in radix mode reporting usage by a vendor's documented caching rules
+# (--cache-accounting vendor): the "concurrent identical requests all miss" column.
+VENDOR = "vendor"
 LLAMA_CPP = "llama-cpp-python"
 
 
@@ -104,6 +107,15 @@ def radixserve_system(mode: str, model: str, args: argparse.Namespace) -> System
         command += shlex.split(extra)
     return System(f"radixserve-{mode}", command,
                   metadata={"prefix_cache": mode, "engine": "radixserve"})
+
+
+def vendor_system(model: str, args: argparse.Namespace) -> System:
+    base = radixserve_system("radix", model, args)
+    # A low minimum so the quick preset's short prompts are cacheable under the vendor's rules.
+    command = [*base.command, "--cache-accounting", "vendor", "--min-cacheable-tokens", "64"]
+    return System(f"radixserve-{VENDOR}", command,
+                  metadata={"prefix_cache": "radix", "accounting": "vendor",
+                            "engine": "radixserve"})
 
 
 def llama_cpp_system(venv: Path, model: str) -> System:
@@ -204,8 +216,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="run directory (default: results/peers/run-YYYYmmdd-HHMMSS)")
     p.add_argument("--model", help="the .gguf every system serves (default: radixserve's "
                                    "default model, SmolLM2-135M-Instruct Q4_1)")
-    p.add_argument("--systems", default=",".join([*RADIXSERVE_MODES, LLAMA_CPP]),
-                   help="comma list from radix, hash, off, llama-cpp-python "
+    p.add_argument("--systems", default=",".join([*RADIXSERVE_MODES, VENDOR, LLAMA_CPP]),
+                   help="comma list from radix, hash, off, vendor, llama-cpp-python "
                         "(default: %(default)s)")
     p.add_argument("--peer", action="append", default=[], metavar="NAME=URL",
                    help="any other OpenAI-compatible server already running (repeatable)")
@@ -237,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out: Path = args.out or PEERS_HOME / f"run-{stamp}"
     wanted = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = set(wanted) - {*RADIXSERVE_MODES, LLAMA_CPP}
+    unknown = set(wanted) - {*RADIXSERVE_MODES, VENDOR, LLAMA_CPP}
     if unknown:
         print(f"error: unknown systems {sorted(unknown)}", file=sys.stderr)
         return 2
@@ -251,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
         model = str(default_model_path())
 
     systems = [radixserve_system(m, model, args) for m in RADIXSERVE_MODES if m in wanted]
+    if VENDOR in wanted:
+        systems.append(vendor_system(model, args))
     if LLAMA_CPP in wanted:
         venv = PEERS_HOME / "venvs" / f"{LLAMA_CPP}-{args.llama_cpp_version}"
         if not args.dry_run:
