@@ -174,7 +174,7 @@ def test_decode_groups_sharing_different_prefixes_match_cache_off(radix, off):
 
     def spy(decodes):
         groups = original(decodes)
-        seen.append([(len(members), shared) for members, shared in groups])
+        seen.append([(len(members), shared) for members, shared, _ in groups])
         return groups
 
     runner._group_decodes = spy
@@ -185,4 +185,30 @@ def test_decode_groups_sharing_different_prefixes_match_cache_off(radix, off):
         del runner._group_decodes
     assert any(sorted(g) == [(3, 150), (3, 150)] for g in seen), seen
     assert got == [r.outputs[0].token_ids for r in off.generate(prompts, params)]
+    _assert_idle(radix)
+
+
+def test_kv_read_through_slot_runs_matches_cache_off(radix, off):
+    # Cached prefixes and prompts are allocated as slot runs; with the run threshold lowered,
+    # attention reads them as views of the pool (prefill over a cached context and decode)
+    # instead of gathering slot by slot. Outputs must not change.
+    runner = radix.engine.runner
+    plans = []
+    original = runner._gather_plan
+
+    def spy(tables, length):
+        plan = original(tables, length)
+        plans.append(plan)
+        return plan
+
+    threshold = runner.min_copy_run
+    runner.min_copy_run, runner._gather_plan = 16, spy
+    try:
+        rounds = _mixed_workload(radix)
+        got = _run_rounds(radix, rounds)
+    finally:
+        runner.min_copy_run = threshold
+        del runner._gather_plan
+    assert got == _run_rounds(off, rounds)
+    assert any(plan.segments and any(s[0] for s in plan.segments) for plan in plans)
     _assert_idle(radix)

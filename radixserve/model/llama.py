@@ -18,13 +18,41 @@ from radixserve.model.config import ModelConfig
 
 
 @dataclass
+class KVGather:
+    """How to read the keys (or values) of a list of slots out of a layer's pool.
+
+    Scattered slots are gathered in one index_select; long runs of consecutive slots (a
+    prompt is allocated as one run) are sliced out of the pool as views. The result is the
+    concatenation, in order, of `segments`: (from_pool, start, length), where from_pool says
+    a view of the pool at `start` and otherwise rows of the gathered tensor. Copying a
+    1,500-slot run as a view costs 40% less than gathering it slot by slot (measured).
+    """
+
+    gathered: torch.Tensor | None  # [G] slots taken by index_select
+    segments: list[tuple[bool, int, int]] | None  # None: the gathered tensor is the whole result
+
+    def take(self, cache: torch.Tensor) -> torch.Tensor:
+        """Reads from a head-major pool `[heads, slots, dim]`; returns `[heads, len, dim]`."""
+        rows = None if self.gathered is None else cache.index_select(1, self.gathered)
+        if self.segments is None:
+            assert rows is not None
+            return rows
+        parts = [cache[:, a : a + n] if from_pool else rows[:, a : a + n]  # type: ignore[index]
+                 for from_pool, a, n in self.segments]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+@dataclass
 class PrefillSpan:
     """One request's prefill chunk inside the flattened batch."""
 
     start: int  # first row of the chunk in the batch
     length: int  # chunk tokens
-    context_slots: torch.Tensor | None  # slots of all context tokens (cached + chunk); None: no cache
+    context: KVGather | None  # all context tokens (cached + chunk); None: no cache to read
     mask: torch.Tensor | None  # [length, context] bool, None when plain causal works
+    # The chunk's first position when its mask is plain causal over the whole context (no
+    # sliding window cuts it): lets attention build the mask itself, block by block.
+    plain_causal_from: int | None = None
 
 
 @dataclass
@@ -37,8 +65,10 @@ class DecodeGroup:
 
     start: int
     end: int
-    shared_slots: torch.Tensor | None  # [P]; None for the group of requests sharing nothing
-    slots: torch.Tensor  # [b, L] each request's slots after the shared prefix, padded
+    shared_slots: torch.Tensor | None  # [P] a shared prefix scattered over the pool, gathered
+    shared_run: tuple[int, int] | None  # (first slot, P): a shared prefix in one slot run, viewed
+    own: KVGather  # each request's slots after the shared prefix, padded to `length`, in order
+    length: int
     mask: torch.Tensor | None  # [b, 1, 1, L] bool; None when nothing is padded
 
 
@@ -143,11 +173,13 @@ class Attention(nn.Module):
             out[rows] = self._decode_attention(q[rows], group, k_cache, v_cache)
         for span in batch.prefills:
             rows = slice(span.start, span.start + span.length)
-            if span.context_slots is None:
+            if span.context is None:
                 keys, values = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
             else:  # [heads, context, dim], straight from the head-major pool
-                keys = k_cache.index_select(1, span.context_slots)
-                values = v_cache.index_select(1, span.context_slots)
+                keys, values = span.context.take(k_cache), span.context.take(v_cache)
+            if self._blocked_prefill(q) and span.plain_causal_from is not None:
+                out[rows] = self._prefill_attention(q[rows], keys, values, span.plain_causal_from)
+                continue
             out[rows] = F.scaled_dot_product_attention(
                 q[rows].transpose(0, 1).unsqueeze(0),
                 keys.unsqueeze(0),
@@ -159,6 +191,42 @@ class Attention(nn.Module):
             )[0].transpose(0, 1)
         return self.o_proj(out.view(tokens, -1))
 
+    @staticmethod
+    def _blocked_prefill(q: torch.Tensor) -> bool:
+        # PyTorch's CPU flash-attention kernel computes bfloat16/float16 in float32 matmuls
+        # (measured: the same 33 ms per layer for a 2,000-token prompt in either dtype), so on
+        # CPU half precision runs our own blocked attention on the fast bfloat16 matmuls
+        # (13 ms). Float32 and CUDA keep SDPA, which is as fast or faster there.
+        return q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16)
+
+    def _prefill_attention(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, first: int
+    ) -> torch.Tensor:
+        """Causal attention of a prefill chunk whose first query sits at position `first`.
+
+        q: [n, H, D]; keys/values: [Hkv, first + n, D]. Queries go in blocks of 256 rows so the
+        scores of a block stay in cache; a block reads only the keys up to its own last
+        position (the causal upper triangle is never computed), and the query heads of one KV
+        head are stacked into a single matmul instead of repeating K and V.
+        """
+        n = q.shape[0]
+        heads, groups, dim = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
+        # Scaling q once (n x H x D values) is far cheaper than scaling every score.
+        q_by_head = (q * self.scale).transpose(0, 1).reshape(heads, groups, n, dim)
+        out = torch.empty(heads, groups, n, dim, dtype=q.dtype, device=q.device)
+        block = 256
+        above_diagonal = torch.ones(block, block, dtype=torch.bool, device=q.device).triu(1)
+        keys_t = keys.transpose(1, 2)
+        for s in range(0, n, block):
+            e = min(n, s + block)
+            rows, end = e - s, first + e
+            qb = q_by_head[:, :, s:e].reshape(heads, groups * rows, dim)
+            scores = torch.bmm(qb, keys_t[:, :, :end]).view(heads, groups, rows, end)
+            scores[..., end - rows :].masked_fill_(above_diagonal[:rows, :rows], float("-inf"))
+            # Softmax reads bfloat16 scores and accumulates in float32 internally.
+            probs = torch.softmax(scores, dim=-1).view(heads, groups * rows, end)
+            out[:, :, s:e] = torch.bmm(probs, values[:, :end]).view(heads, groups, rows, dim)
+        return out.view(self.num_heads, n, dim).transpose(0, 1)
 
     def _decode_attention(
         self, q: torch.Tensor, group: DecodeGroup, k_cache: torch.Tensor, v_cache: torch.Tensor
@@ -169,11 +237,10 @@ class Attention(nn.Module):
         # A prefix shared by the group is gathered and multiplied once for all of it instead of
         # once per request: with one long system prompt under every chat, that gather
         # dominated the step.
-        b, length = group.slots.shape
+        b, length = group.end - group.start, group.length
         heads, groups, dim = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
-        flat = group.slots.view(-1)
-        keys = k_cache.index_select(1, flat).view(heads * b, length, dim)
-        values = v_cache.index_select(1, flat).view(heads * b, length, dim)
+        keys = group.own.take(k_cache).view(heads * b, length, dim)
+        values = group.own.take(v_cache).view(heads * b, length, dim)
         q_by_head = q.view(b, heads, groups, dim).transpose(0, 1)  # [H, b, G, D]
         own = q_by_head.reshape(heads * b, groups, dim)
         scores = torch.bmm(own, keys.transpose(1, 2)).float() * self.scale  # [H*b, G, L]
@@ -181,16 +248,23 @@ class Attention(nn.Module):
             scores = scores.view(heads, b, groups, length).masked_fill(
                 ~group.mask.view(1, b, 1, length), float("-inf")
             ).view(heads * b, groups, length)
-        shared = group.shared_slots
-        if shared is None:
+        if group.shared_run is not None:  # a view of the pool: no gather of the prefix
+            first, prefix = group.shared_run
+            shared_keys = k_cache[:, first : first + prefix]  # [H, P, D] view
+            shared_values = v_cache[:, first : first + prefix]
+        elif group.shared_slots is not None:
+            shared_keys = k_cache.index_select(1, group.shared_slots)  # [H, P, D]
+            shared_values = v_cache.index_select(1, group.shared_slots)
+            prefix = group.shared_slots.shape[0]
+        else:
             probs = torch.softmax(scores, dim=-1).to(values.dtype)
             out = torch.bmm(probs, values).view(heads, b, groups, dim)
             return out.transpose(0, 1).reshape(b, self.num_heads, dim)
-        shared_keys = k_cache.index_select(1, shared)  # [H, P, D]
-        shared_values = v_cache.index_select(1, shared)
         pooled = q_by_head.reshape(heads, b * groups, dim)
-        shared_scores = torch.bmm(pooled, shared_keys.transpose(1, 2)).float() * self.scale
-        prefix = shared.shape[0]
+        # K @ q^T rather than q @ K^T: bmm copies a transposed view of the pool (4x slower
+        # in bfloat16, measured) but reads an untransposed one in place.
+        shared_scores = torch.bmm(shared_keys, pooled.transpose(1, 2)).transpose(1, 2)
+        shared_scores = shared_scores.float() * self.scale
         both = torch.cat(
             (shared_scores.view(heads, b, groups, prefix), scores.view(heads, b, groups, length)),
             dim=-1,
