@@ -15,7 +15,7 @@ import random
 import pytest
 import torch
 
-from radixserve.engine.kv_pool import OutOfSlots, PageAllocator
+from radixserve.engine.kv_pool import KVPool, OutOfSlots, PageAllocator
 from radixserve.engine.runner import ModelRunner, slot_run
 from radixserve.model.config import ModelConfig
 from radixserve.model.llama import Attention, KVGather
@@ -69,13 +69,14 @@ def test_float32_and_cuda_keep_sdpa():
 def _runner(min_copy_run: int) -> ModelRunner:
     runner = ModelRunner.__new__(ModelRunner)  # only the gather planning is exercised
     runner.device = torch.device("cpu")
+    runner.pool = KVPool(1, 400, 1, 2, 4, torch.float32, "cpu")
+    runner.pool.k[0].copy_(torch.randn(2, 400, 4))
     runner.min_copy_run = min_copy_run
     return runner
 
 
 def test_gather_plan_reads_the_same_rows_as_slot_by_slot():
     rng = random.Random(0)
-    cache = torch.randn(2, 400, 4)
     tables = [
         list(range(10, 60)) + [300, 7, 8],  # a run of 50, then scattered
         [5, 90, 91, 92],  # no run at its start
@@ -84,7 +85,9 @@ def test_gather_plan_reads_the_same_rows_as_slot_by_slot():
     ]
     length = max(len(t) for t in tables) + 3  # padding too
     for min_run in (8, 10**9):
-        plan = _runner(min_run)._gather_plan(tables, length)
+        runner = _runner(min_run)
+        cache = runner.pool.k[0]
+        plan = runner._gather_plan(tables, length)
         flat = [s for t in tables for s in t + [0] * (length - len(t))]
         want = cache.index_select(1, torch.tensor(flat))
         got = plan.take(cache)
@@ -95,9 +98,15 @@ def test_gather_plan_reads_the_same_rows_as_slot_by_slot():
 
 
 def test_gather_plan_without_runs_is_one_index_select():
-    plan = _runner(512)._gather_plan([[3, 4, 5], [9]], 4)
+    runner = _runner(512)
+    plan = runner._gather_plan([[3, 4, 5], [9]], 4)
     assert plan.segments is None
-    assert plan.gathered is not None and plan.gathered.tolist() == [3, 4, 5, 0, 9, 0, 0, 0]
+    slots = [3, 4, 5, 0, 9, 0, 0, 0]
+    # Rows of the [heads * slots, dim] view: head 1's copy of slot s is row 400 + s.
+    assert plan.gathered is not None
+    assert plan.gathered.tolist() == slots + [400 + s for s in slots]
+    cache = runner.pool.k[0]
+    assert torch.equal(plan.take(cache), cache[:, slots])
     assert isinstance(plan, KVGather)
 
 

@@ -170,13 +170,13 @@ class ModelRunner:
             if self.window:
                 keep &= cols >= lens - self.window
             mask = keep[:, None, None, :].to(self.device)
-        first = members[0].slots[0]
+        prefix = members[0].slots[:shared]
         return DecodeGroup(
             start=start,
             end=start + len(members),
-            shared_slots=self._tensor(members[0].slots[:shared])
-            if shared and not contiguous else None,
-            shared_run=(first, shared) if shared and contiguous else None,
+            shared=None if not shared
+            else KVGather(None, [(True, prefix[0], shared)]) if contiguous
+            else KVGather(self._rows(prefix), None),
             own=self._gather_plan(tables, longest),
             length=longest,
             mask=mask,
@@ -207,8 +207,12 @@ class ModelRunner:
                 segments.append((False, len(gathered), len(rest)))
             gathered.extend(rest)
         has_runs = any(from_pool for from_pool, _, _ in segments)
-        return KVGather(self._tensor(gathered) if gathered else None,
-                        segments if has_runs else None)
+        return KVGather(self._rows(gathered) if gathered else None, segments if has_runs else None)
+
+    def _rows(self, slots: list[int]) -> torch.Tensor:
+        """KVGather rows reading `slots` from every head of the pool."""
+        heads, num_slots, _ = self.pool.k[0].shape
+        return KVGather.rows_of(self._tensor(slots), heads, num_slots)
 
     def run(
         self, plan: SchedulerOutput, banned: Callable[[Request], set[int] | None]
