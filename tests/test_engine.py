@@ -53,6 +53,34 @@ def test_batched_equals_one_at_a_time(llm, reference):
     _assert_idle(llm)
 
 
+def test_decode_reuses_kept_kv_and_matches_regathering(llm, reference, monkeypatch):
+    # A steady decode batch keeps last step's keys and values and writes only the new tokens;
+    # this must equal gathering every context from the pool at every step.
+    from radixserve.engine.runner import ModelRunner
+    from radixserve.model.llama import Attention
+
+    prompts, one_by_one = reference
+    appends = []
+    original = Attention._own_kv
+
+    def counted(self, k, v, group, k_cache, v_cache):
+        appends.append(group.append_at is not None)
+        return original(self, k, v, group, k_cache, v_cache)
+
+    monkeypatch.setattr(Attention, "_own_kv", counted)
+    assert _tokens(llm.generate(prompts, GREEDY)) == one_by_one
+    assert sum(appends) > len(appends) // 2  # most decode steps appended
+    appends.clear()
+
+    def regather(self, group, *args):
+        group.kept, group.append_at = None, None
+
+    monkeypatch.setattr(ModelRunner, "_keep", regather)
+    assert _tokens(llm.generate(prompts, GREEDY)) == one_by_one
+    assert appends and not any(appends)
+    _assert_idle(llm)
+
+
 def test_chunked_prefill_equals_unchunked(llm, reference):
     prompts, one_by_one = reference
     engine_config = llm.engine.config

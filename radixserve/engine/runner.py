@@ -32,6 +32,15 @@ def slot_run(slots: list[int], limit: int) -> int:
     return common_prefix_len(slots, list(range(slots[0], slots[0] + limit)), 0, limit)
 
 
+@dataclass
+class _KeptKV:
+    """One decode group's own-part keys and values per layer, kept from one step to the next."""
+
+    members: list[Request]
+    lengths: list[int]
+    layers: list[tuple[torch.Tensor, torch.Tensor] | None]
+
+
 class ModelRunner:
     def __init__(self, model: LlamaModel, pool: KVPool, device: torch.device) -> None:
         self.model = model
@@ -46,11 +55,14 @@ class ModelRunner:
         # Runs shorter than this are gathered with the scattered slots: slicing a view costs
         # Python time per run and layer, which a short run does not pay back.
         self.min_copy_run = 512
+        self._kept: dict[tuple[int, ...], _KeptKV] = {}
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
 
     def build_batch(self, plan: SchedulerOutput) -> tuple[ForwardBatch, list[Request]]:
+        # Kept own-part K/V lives exactly one step: what this batch does not reuse is dropped.
+        previous, self._kept = self._kept, {}
         ids: list[int] = []
         positions: list[int] = []
         write_slots: list[int] = []
@@ -68,7 +80,9 @@ class ModelRunner:
                 logit_rows.append(len(ids) - 1)
                 wants_logits.append(request)
                 lengths.append(pos + 1)
-            groups.append(self._decode_group(members, lengths, shared, contiguous, start))
+            group = self._decode_group(members, lengths, shared, contiguous, start)
+            self._keep(group, members, lengths, shared, previous)
+            groups.append(group)
         prefills: list[PrefillSpan] = []
         for chunk in plan.prefills:
             request, n = chunk.request, chunk.num_tokens
@@ -181,6 +195,28 @@ class ModelRunner:
             length=longest,
             mask=mask,
         )
+
+    def _keep(
+        self, group: DecodeGroup, members: list[Request], lengths: list[int], shared: int,
+        previous: dict[tuple[int, ...], _KeptKV],
+    ) -> None:
+        """Lets the group reuse last step's own-part K/V when the same members, in the same
+        order and padded length, are each exactly one token further; else it gathers and
+        keeps its K/V for the next step. At 32 steady requests this skips 15 of every 16
+        gathers (the length bucket grows once per 16 tokens)."""
+        key = (*(id(r) for r in members), shared, group.length)
+        kept = previous.get(key)
+        if (kept is not None and all(a is b for a, b in zip(kept.members, members, strict=True))
+                and kept.lengths == [n - 1 for n in lengths]):
+            width = group.length
+            group.append_at = self._tensor([i * width + n - 1 - shared
+                                            for i, n in enumerate(lengths)])
+        else:
+            # The entry holds the members themselves, so their id()s cannot be reused.
+            kept = _KeptKV(members, lengths, [None] * len(self.pool.k))
+        kept.lengths = lengths
+        group.kept = kept.layers
+        self._kept[key] = kept
 
     def _gather_plan(self, tables: list[list[int]], length: int) -> KVGather:
         """Reads each table's slots, padded to `length`, one table after another.

@@ -82,6 +82,12 @@ class DecodeGroup:
     own: KVGather  # each request's slots after the shared prefix, padded to `length`, in order
     length: int
     mask: torch.Tensor | None  # [b, 1, 1, L] bool; None when nothing is padded
+    # Per layer, the own-part keys and values read for this group at the previous step, kept
+    # by the runner; filled in here when None. With `append_at`, the same members are one
+    # token further: only this step's tokens are written, at these columns of [b * length],
+    # instead of gathering every context again.
+    kept: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None
+    append_at: torch.Tensor | None = None
 
 
 @dataclass
@@ -182,7 +188,7 @@ class Attention(nn.Module):
         out = torch.empty_like(q)
         for group in batch.decode_groups:
             rows = slice(group.start, group.end)
-            out[rows] = self._decode_attention(q[rows], group, k_cache, v_cache)
+            out[rows] = self._decode_attention(q[rows], k[rows], v[rows], group, k_cache, v_cache)
         for span in batch.prefills:
             rows = slice(span.start, span.start + span.length)
             if span.context is None:
@@ -240,8 +246,30 @@ class Attention(nn.Module):
             out[:, :, s:e] = torch.bmm(probs, values[:, :end]).view(heads, groups, rows, dim)
         return out.view(self.num_heads, n, dim).transpose(0, 1)
 
+    def _own_kv(
+        self, k: torch.Tensor, v: torch.Tensor, group: DecodeGroup, k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The group's own-part keys and values, `[heads, b * length, dim]` each."""
+        kept = group.kept
+        if kept is not None and group.append_at is not None:
+            previous = kept[self.layer]
+            assert previous is not None, "append_at without kept keys"
+            keys, values = previous
+            keys.index_copy_(1, group.append_at, k.transpose(0, 1))
+            values.index_copy_(1, group.append_at, v.transpose(0, 1))
+            return keys, values
+        keys, values = group.own.take(k_cache), group.own.take(v_cache)
+        if kept is not None:
+            # Kept tensors are written into next step: never let them alias the pool.
+            if keys.untyped_storage().data_ptr() == k_cache.untyped_storage().data_ptr():
+                keys, values = keys.clone(), values.clone()
+            kept[self.layer] = (keys, values)
+        return keys, values
+
     def _decode_attention(
-        self, q: torch.Tensor, group: DecodeGroup, k_cache: torch.Tensor, v_cache: torch.Tensor
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: DecodeGroup,
+        k_cache: torch.Tensor, v_cache: torch.Tensor,
     ) -> torch.Tensor:
         # One query per request against its gathered context, as batched matmuls over
         # (kv head, request): on CPU this beats SDPA's flash kernel (tuned for long queries) by
@@ -251,8 +279,8 @@ class Attention(nn.Module):
         # dominated the step.
         b, length = group.end - group.start, group.length
         heads, groups, dim = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
-        keys = group.own.take(k_cache).view(heads * b, length, dim)
-        values = group.own.take(v_cache).view(heads * b, length, dim)
+        keys, values = self._own_kv(k, v, group, k_cache, v_cache)
+        keys, values = keys.view(heads * b, length, dim), values.view(heads * b, length, dim)
         q_by_head = q.view(b, heads, groups, dim).transpose(0, 1)  # [H, b, G, D]
         own = q_by_head.reshape(heads * b, groups, dim)
         scores = torch.bmm(own, keys.transpose(1, 2)).float() * self.scale  # [H*b, G, L]
