@@ -71,9 +71,8 @@ def bench_radixserve(model: str, dtype: str, args: argparse.Namespace) -> dict[s
     for concurrency in args.concurrency:
         prompts = [{"prompt_token_ids": p} for p in _token_prompts(concurrency, 128, concurrency)]
         params = SamplingParams(max_tokens=128, temperature=0, ignore_eos=True)
-        t = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
-        throughput[str(concurrency)] = concurrency * 128 / (time.perf_counter() - t)
+        seconds = _best(lambda p=prompts, s=params: llm.generate(p, s, use_tqdm=False), args.repeat)
+        throughput[str(concurrency)] = concurrency * 128 / seconds
     return {"prefill_s": prefill_s, "decode_ms_per_token": decode_s * 1e3,
             "output_tokens_per_s": throughput}
 
@@ -105,11 +104,14 @@ def bench_hf(model_path: Path, dtype: torch.dtype, args: argparse.Namespace) -> 
     throughput = {}
     for concurrency in args.hf_concurrency:
         ids = torch.tensor(_token_prompts(concurrency, 128, concurrency))
-        t = time.perf_counter()
-        with torch.inference_mode():
-            model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                           max_new_tokens=128, min_new_tokens=128, pad_token_id=0)
-        throughput[str(concurrency)] = concurrency * 128 / (time.perf_counter() - t)
+
+        def batched(ids: torch.Tensor = ids) -> None:
+            with torch.inference_mode():
+                model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                               max_new_tokens=128, min_new_tokens=128, pad_token_id=0)
+
+        seconds = _best(batched, args.repeat)
+        throughput[str(concurrency)] = concurrency * 128 / seconds
     return {"prefill_s": prefill_s, "decode_ms_per_token": decode_s * 1e3,
             "output_tokens_per_s": throughput}
 
@@ -123,6 +125,9 @@ def main() -> None:
     parser.add_argument("--hf-concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="timed runs per throughput point after one untimed warm-up run, "
+                             "both systems alike; the best counts")
     parser.add_argument("--out", default="results/engine.json")
     args = parser.parse_args()
     torch.set_num_threads(torch.get_num_threads())
