@@ -207,7 +207,8 @@ class ModelRunner:
         key = (*(id(r) for r in members), shared, group.length)
         kept = previous.get(key)
         if (kept is not None and all(a is b for a, b in zip(kept.members, members, strict=True))
-                and kept.lengths == [n - 1 for n in lengths]):
+                and kept.lengths == [n - 1 for n in lengths]
+                and all(layer is not None for layer in kept.layers)):  # a failed step keeps none
             width = group.length
             group.append_at = self._tensor([i * width + n - 1 - shared
                                             for i, n in enumerate(lengths)])
