@@ -79,7 +79,9 @@ class DecodeGroup:
     start: int
     end: int
     shared: KVGather | None  # the prefix all members share; None for a group sharing nothing
-    own: KVGather  # each request's slots after the shared prefix, padded to `length`, in order
+    # Each request's slots after the shared prefix, padded to `length`, in order; None when
+    # `append_at` reuses the K/V kept from the last step.
+    own: KVGather | None
     length: int
     mask: torch.Tensor | None  # [b, 1, 1, L] bool; None when nothing is padded
     # Per layer, the own-part keys and values read for this group at the previous step, kept
@@ -259,6 +261,7 @@ class Attention(nn.Module):
             keys.index_copy_(1, group.append_at, k.transpose(0, 1))
             values.index_copy_(1, group.append_at, v.transpose(0, 1))
             return keys, values
+        assert group.own is not None, "a group that keeps nothing must plan its reads"
         keys, values = group.own.take(k_cache), group.own.take(v_cache)
         if kept is not None:
             # Kept tensors are written into next step: never let them alias the pool.
