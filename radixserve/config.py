@@ -8,6 +8,9 @@ from typing import Any
 PREFIX_CACHE_MODES = ("radix", "hash", "off")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# kernel: our C++ decode attention reading the paged pool in place (CPU, float32/bfloat16);
+# torch: PyTorch ops over gathered K/V (any device); auto: kernel where it applies and builds.
+ATTENTION_BACKENDS = ("auto", "kernel", "torch")
 
 
 @dataclass
@@ -32,6 +35,7 @@ class EngineConfig:
     # prefill instead of computing it again.
     dedup_min_tokens: int = 32
     max_pinned_fraction: float = 0.5  # cap on KV held by TTL pins (cache_control)
+    attention_backend: str = "auto"  # decode attention; see ATTENTION_BACKENDS
     num_threads: int | None = None  # torch CPU threads; None keeps torch's default
     seed: int = 0
     show_progress: bool = True
@@ -50,6 +54,9 @@ class EngineConfig:
              f"prefix_cache must be one of {PREFIX_CACHE_MODES}, got {self.prefix_cache!r}")
         need(self.schedule_policy in SCHEDULE_POLICIES,
              f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
+        need(self.attention_backend in ATTENTION_BACKENDS,
+             f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+             f"got {self.attention_backend!r}")
         need(self.page_size >= 1, "page_size must be >= 1")
         need(self.kv_cache_tokens is None or self.kv_cache_tokens >= self.page_size,
              "kv_cache_tokens must be at least one page")

@@ -60,6 +60,8 @@ def test_decode_reuses_kept_kv_and_matches_regathering(llm, reference, monkeypat
     from radixserve.model.llama import Attention
 
     prompts, one_by_one = reference
+    # Kept K/V belongs to the PyTorch decode path (the C++ kernel reads the pool in place).
+    monkeypatch.setattr(llm.engine.runner, "decode_kernel", None)
     appends = []
     original = Attention._own_kv
 

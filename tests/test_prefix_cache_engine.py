@@ -69,7 +69,14 @@ def _run_rounds(llm: LLM, rounds: list[list[list[int]]]) -> list[list[int]]:
     return out
 
 
-def test_cache_on_equals_cache_off(radix, off):
+@pytest.mark.parametrize("decode", ["kernel", "torch"])
+def test_cache_on_equals_cache_off(radix, off, decode, monkeypatch):
+    # Both decode attention paths: the C++ kernel reading the pool in place, and PyTorch's
+    # gathers with shared-prefix groups.
+    assert radix.engine.runner.decode_kernel is not None  # the engines default to the kernel
+    if decode == "torch":
+        for llm in (radix, off):
+            monkeypatch.setattr(llm.engine.runner, "decode_kernel", None)
     rounds = _mixed_workload(radix)
     expected = _run_rounds(off, rounds)
     assert _run_rounds(radix, rounds) == expected
@@ -160,15 +167,17 @@ def test_n_samples_share_the_prompt(radix):
     _assert_idle(radix)
 
 
-def test_decode_groups_sharing_different_prefixes_match_cache_off(radix, off):
-    # Two system prompts, three chats each, decoding in one batch: each trio's prefix is
-    # gathered once per step for the trio, and outputs equal the cache-off ones.
+def test_decode_groups_sharing_different_prefixes_match_cache_off(radix, off, monkeypatch):
+    # Two system prompts, three chats each, decoding in one batch: on the PyTorch decode path
+    # each trio's prefix is gathered once per step for the trio, and outputs equal the
+    # cache-off ones.
     rng = random.Random(21)
     systems = [[rng.randrange(200, 40000) for _ in range(150)] for _ in range(2)]
     prompts = [{"prompt_token_ids": systems[i % 2] + [rng.randrange(200, 40000) for _ in range(4 + i)]}
                for i in range(6)]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     runner = radix.engine.runner
+    monkeypatch.setattr(runner, "decode_kernel", None)
     seen: list[list[tuple[int, int]]] = []
     original = runner._group_decodes
 
@@ -188,11 +197,12 @@ def test_decode_groups_sharing_different_prefixes_match_cache_off(radix, off):
     _assert_idle(radix)
 
 
-def test_kv_read_through_slot_runs_matches_cache_off(radix, off):
+def test_kv_read_through_slot_runs_matches_cache_off(radix, off, monkeypatch):
     # Cached prefixes and prompts are allocated as slot runs; with the run threshold lowered,
-    # attention reads them as views of the pool (prefill over a cached context and decode)
-    # instead of gathering slot by slot. Outputs must not change.
+    # attention reads them as views of the pool (prefill over a cached context, and decode on
+    # the PyTorch path) instead of gathering slot by slot. Outputs must not change.
     runner = radix.engine.runner
+    monkeypatch.setattr(runner, "decode_kernel", None)
     plans = []
     original = runner._gather_plan
 

@@ -20,6 +20,7 @@ from radixserve.engine.kv_pool import KVPool
 from radixserve.engine.request import Request, RequestStatus
 from radixserve.engine.runner import ModelRunner
 from radixserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from radixserve.kernels import decode_attention_op
 from radixserve.model.default_model import resolve_model_path
 from radixserve.model.llama import LlamaModel
 from radixserve.model.loader import load_model_files
@@ -101,7 +102,8 @@ class LLMEngine:
                                        self.pool.allocator.release, clock=clock,
                                        max_pinned_tokens=pinned)
         self.scheduler = Scheduler(config, self.pool.allocator, self.cache, clock)
-        self.runner = ModelRunner(self.model, self.pool, self.device)
+        self.runner = ModelRunner(self.model, self.pool, self.device,
+                                  decode_kernel=self._decode_kernel(config.attention_backend))
         self.groups: dict[str, list[Request]] = {}
         self.computed_tokens_total = 0  # every token run through the model
         self.step_count = 0
@@ -109,10 +111,26 @@ class LLMEngine:
         self.bookkeeping_seconds = 0.0
         self.model_seconds = 0.0
         logger.info(
-            "model %s (%s, %s on %s): KV pool %d tokens in pages of %d, prefix cache %s",
+            "model %s (%s, %s on %s): KV pool %d tokens in pages of %d, prefix cache %s, "
+            "decode attention %s",
             self.model_path, mc.architecture, str(self.dtype).removeprefix("torch."),
             self.device, self.pool.num_slots, config.page_size, config.prefix_cache,
+            "kernel" if self.runner.decode_kernel else "torch",
         )
+
+    def _decode_kernel(self, backend: str) -> Callable[..., torch.Tensor] | None:
+        """The C++ decode attention op when the backend asks for it and it applies here."""
+        if backend == "torch":
+            return None
+        applies = self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16)
+        op = decode_attention_op() if applies else None
+        if op is None and backend == "kernel":
+            raise ValueError(
+                "attention_backend='kernel' needs a CPU device, float32 or bfloat16, and a C++ "
+                "compiler to build the kernel" + ("" if applies else
+                f" (this engine runs {self.dtype} on {self.device})")
+            )
+        return op
 
     # ----- requests -----
 
@@ -185,6 +203,9 @@ class LLMEngine:
             self._check_invariants()
             return []
         self.step_count += 1
+        if self.config.debug_invariants:
+            stale = [r.request_id for r in self.scheduler.running if not r.slot_mirror_ok()]
+            assert not stale, f"slot mirrors out of step with slot tables: {stale}"
         progressed: set[str] = set()
         model_started = time.perf_counter()
         try:

@@ -11,6 +11,7 @@ import time
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from radixserve.outputs import RequestMetrics
@@ -38,7 +39,13 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     stop_reason: str | int | None = None
-    slots: list[int] = field(default_factory=list)
+    _slots: list[int] = field(default_factory=list, repr=False)
+    # An int32 copy of the leading slots for the decode kernel, extended lazily: appending a
+    # page is the common change (one slot per decode token at page size 1). Replacing the
+    # table (the setter) or re-pointing a slot (repoint_slot) keeps it in step; nothing else
+    # may change a slot in place.
+    _slot_array: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32), repr=False)
+    _slots_mirrored: int = field(default=0, repr=False)
     num_computed: int = 0  # leading tokens whose K/V are in `slots`
     cache_len: int = 0  # leading slots owned by the prefix cache
     cache_handle: object | None = None
@@ -57,6 +64,39 @@ class Request:
         if self.params.seed is not None:
             self.generator = torch.Generator()
             self.generator.manual_seed(self.params.seed + self.sample_index)
+
+    @property
+    def slots(self) -> list[int]:
+        """The KV slot of each position, in order; append with `slots.extend`."""
+        return self._slots
+
+    @slots.setter
+    def slots(self, slots: list[int]) -> None:
+        self._slots = slots
+        self._slots_mirrored = 0
+
+    def repoint_slot(self, index: int, slot: int) -> None:
+        """Points position `index` at another slot holding the same K/V (a cache dedup)."""
+        self._slots[index] = slot
+        if index < self._slots_mirrored:
+            self._slot_array[index] = slot
+
+    def slot_array(self, end: int, start: int = 0) -> np.ndarray:
+        """slots[start:end] as int32, a view valid until the table next changes."""
+        have = self._slots_mirrored
+        if end > have:
+            if end > len(self._slot_array):
+                grown = np.empty(max(end, 2 * len(self._slot_array), 64), np.int32)
+                grown[:have] = self._slot_array[:have]
+                self._slot_array = grown
+            self._slot_array[have:end] = self._slots[have:end]
+            self._slots_mirrored = end
+        return self._slot_array[start:end]
+
+    def slot_mirror_ok(self) -> bool:
+        """Whether the int32 mirror still equals the slot list (a debug check)."""
+        have = self._slots_mirrored
+        return have <= len(self._slots) and self._slot_array[:have].tolist() == self._slots[:have]
 
     @property
     def all_token_ids(self) -> list[int]:

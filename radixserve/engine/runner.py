@@ -9,13 +9,21 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from radixserve.engine.kv_pool import KVPool
 from radixserve.engine.request import Request
 from radixserve.engine.sampler import SampleResult, sample
 from radixserve.engine.scheduler import SchedulerOutput, common_prefix_len
-from radixserve.model.llama import DecodeGroup, ForwardBatch, KVGather, LlamaModel, PrefillSpan
+from radixserve.model.llama import (
+    DecodeGroup,
+    ForwardBatch,
+    KernelDecode,
+    KVGather,
+    LlamaModel,
+    PrefillSpan,
+)
 
 
 @dataclass
@@ -42,8 +50,14 @@ class _KeptKV:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, pool: KVPool, device: torch.device) -> None:
+    def __init__(
+        self, model: LlamaModel, pool: KVPool, device: torch.device,
+        decode_kernel: Callable[..., torch.Tensor] | None = None,
+    ) -> None:
         self.model = model
+        # The C++ decode attention (radixserve/kernels), or None for the PyTorch path below.
+        self.decode_kernel = decode_kernel
+        self.kernel_level = 2  # the kernel's most vectorised path allowed (see KernelDecode)
         self.pool = pool
         self.device = device
         self.window = model.config.sliding_window
@@ -69,7 +83,13 @@ class ModelRunner:
         logit_rows: list[int] = []
         wants_logits: list[Request] = []
         groups: list[DecodeGroup] = []
-        for members, shared, contiguous in self._group_decodes(plan.decodes):
+        kernel = None
+        if self.decode_kernel is not None and plan.decodes:
+            kernel, ordered = self._kernel_decode(plan.decodes, ids, positions, write_slots)
+            logit_rows.extend(range(len(ids)))
+            wants_logits.extend(ordered)
+        for members, shared, contiguous in self._group_decodes(plan.decodes if kernel is None
+                                                               else []):
             start = len(ids)
             lengths = []
             for request in members:
@@ -123,8 +143,36 @@ class ModelRunner:
             decode_groups=groups,
             prefills=prefills,
             logit_rows=self._tensor(logit_rows),
+            kernel_decode=kernel,
         )
         return batch, wants_logits
+
+    def _kernel_decode(
+        self, decodes: list[Request], ids: list[int], positions: list[int],
+        write_slots: list[int],
+    ) -> tuple[KernelDecode, list[Request]]:
+        """Adds the decode rows and lays out every context's slots for the kernel; returns
+        the kernel's inputs and the requests in row order."""
+        # Requests on one cached prefix hold the same first slot: side by side in the batch,
+        # the kernel thread that reads a prefix for one finds it in L2 for the next.
+        ordered = sorted(decodes, key=lambda r: r.slots[0])
+        tables: list[np.ndarray] = []
+        starts = [0]
+        for request in ordered:
+            pos = request.num_computed
+            ids.append(request.token_at(pos))
+            positions.append(pos)
+            write_slots.append(request.slots[pos])
+            first = max(0, pos + 1 - self.window) if self.window else 0
+            tables.append(request.slot_array(pos + 1, first))
+            starts.append(starts[-1] + pos + 1 - first)
+        kernel = KernelDecode(
+            op=self.decode_kernel,  # type: ignore[arg-type]
+            slots=torch.from_numpy(np.concatenate(tables)),
+            starts=torch.tensor(starts, dtype=torch.int64),
+            max_level=self.kernel_level,
+        )
+        return kernel, ordered
 
     def _group_decodes(self, decodes: list[Request]) -> list[tuple[list[Request], int, bool]]:
         """Splits decode requests into groups that share a context prefix, plus one group of

@@ -275,7 +275,7 @@ class Scheduler:
         for i in range(request.cache_len, aligned):
             if request.slots[i] != result.slots[i]:
                 duplicates.append(request.slots[i])
-                request.slots[i] = result.slots[i]
+                request.repoint_slot(i, result.slots[i])
         if duplicates:
             self.allocator.release(duplicates)
         self.cache.lock(result.handle)

@@ -8,6 +8,7 @@ reads each request's keys and values through its slot table.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -93,6 +94,20 @@ class DecodeGroup:
 
 
 @dataclass
+class KernelDecode:
+    """Decode rows [0, num_decode) attend through the C++ kernel (radixserve/kernels), which
+    reads K/V where they lie in the pool: no gather, no padding, no mask. Request b's context
+    is slots[starts[b]:starts[b + 1]], in position order (a sliding window already applied)."""
+
+    op: Callable[..., torch.Tensor]
+    slots: torch.Tensor  # int32
+    starts: torch.Tensor  # int64 [num_decode + 1]
+    # Most vectorised code path allowed: 0 portable C++, 1 AVX-512, 2 AVX-512 BF16 (the kernel
+    # also stops at what the CPU has). Tests lower it to check each path against the others.
+    max_level: int = 2
+
+
+@dataclass
 class ForwardBatch:
     """Everything the forward pass needs about where tokens sit and what they attend to.
 
@@ -103,9 +118,10 @@ class ForwardBatch:
     positions: torch.Tensor  # [T] int64
     write_slots: torch.Tensor  # [T] int64: the KV slot each new token's K/V is written to
     num_decode: int
-    decode_groups: list[DecodeGroup]  # cover rows [0, num_decode)
+    decode_groups: list[DecodeGroup]  # cover rows [0, num_decode) unless kernel_decode does
     prefills: list[PrefillSpan]
     logit_rows: torch.Tensor  # [R] rows whose next-token logits are wanted
+    kernel_decode: KernelDecode | None = None
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -188,6 +204,11 @@ class Attention(nn.Module):
         v_cache.index_copy_(1, batch.write_slots, v.transpose(0, 1))
 
         out = torch.empty_like(q)
+        if batch.kernel_decode is not None:
+            run = batch.kernel_decode
+            rows = slice(0, batch.num_decode)
+            out[rows] = run.op(q[rows].contiguous(), k_cache, v_cache, run.slots, run.starts,
+                               self.scale, run.max_level)
         for group in batch.decode_groups:
             rows = slice(group.start, group.end)
             out[rows] = self._decode_attention(q[rows], k[rows], v[rows], group, k_cache, v_cache)

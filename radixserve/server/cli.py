@@ -14,7 +14,13 @@ import sys
 import time
 from types import FrameType
 
-from radixserve.config import DTYPES, PREFIX_CACHE_MODES, SCHEDULE_POLICIES, EngineConfig
+from radixserve.config import (
+    ATTENTION_BACKENDS,
+    DTYPES,
+    PREFIX_CACHE_MODES,
+    SCHEDULE_POLICIES,
+    EngineConfig,
+)
 from radixserve.server.settings import CACHE_ACCOUNTING_MODES, DEFAULT_MODEL_NAME, ServerSettings
 
 logger = logging.getLogger("radixserve.server")
@@ -54,6 +60,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     model.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     model.add_argument("--max-model-len", type=int, default=None,
                        help="context length limit; unset: the model's own")
+    model.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
+                       help="decode attention: kernel (C++, reads the paged KV pool in place; "
+                            "CPU, float32/bfloat16), torch (PyTorch ops, any device), auto "
+                            "(kernel where it applies and compiles)")
     model.add_argument("--num-threads", type=int, default=None,
                        help="torch CPU threads; unset: torch's default")
     model.add_argument("--seed", type=int, default=0, help="engine seed")
@@ -145,6 +155,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         page_size=args.page_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         prefix_cache=args.prefix_cache, schedule_policy=args.schedule_policy,
+        attention_backend=args.attention_backend,
         num_threads=args.num_threads, seed=args.seed, show_progress=sys.stderr.isatty(),
         debug_invariants=args.debug_invariants, max_pinned_fraction=args.max_pinned_fraction,
     )

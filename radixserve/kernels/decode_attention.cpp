@@ -1,0 +1,416 @@
+// Decode attention read straight out of the paged KV pool, on the CPU.
+//
+// Why a kernel: with PyTorch ops, each decode step first copies every request's context K/V
+// out of the pool into a padded batch (index_select), then multiplies it. At eight requests on
+// 1,500-token contexts that copy and its extra kernels were a third of the step. Here each
+// (request, kv head) walks its slot table and reads K/V rows where they lie, once.
+//
+// Layout (see kv_pool.py): a layer's pool is head-major, [kv_heads, slots, head_dim], so one
+// slot of one head is a contiguous row of head_dim values. q is [batch, heads, head_dim] with
+// the query heads of kv head h at h*G .. h*G+G-1 (G = heads / kv_heads, as HF's repeat_kv).
+// Request b's context is slots[starts[b] .. starts[b+1]), in position order; its newest token
+// is already written to the pool.
+//
+// The arithmetic is the same whatever slots a context sits in, so an output does not depend
+// on whether its prefix came from the prefix cache or from its own prefill (cache on == off).
+// Work items are (kv head, request) in that order, split into contiguous ranges per thread:
+// requests that share a cached prefix are adjacent in the batch (the runner orders them), so a
+// thread reads a shared prefix from DRAM once and finds it in L2 for the next request.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define RS_X86 1
+#endif
+
+namespace {
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+
+// One (request, kv head) in plain C++: the reference the vector paths are tested against, and
+// what runs on CPUs without AVX-512. q is unscaled; probabilities are e^(scale (s - max s)).
+// scores holds G * n floats.
+template <typename T>
+void attend_portable(const float* q, const T* keys, const T* values, const int32_t* slots,
+                     int64_t n, int64_t groups, int64_t dim, float scale, float* scores,
+                     T* out) {
+  std::vector<float> acc(dim);
+  for (int64_t g = 0; g < groups; ++g) {
+    const float* qg = q + g * dim;
+    float* s = scores + g * n;
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < n; ++t) {
+      const T* k = keys + static_cast<int64_t>(slots[t]) * dim;
+      float dot = 0.f;
+      for (int64_t d = 0; d < dim; ++d) dot += qg[d] * to_float(k[d]);
+      s[t] = dot;
+      top = std::max(top, dot);
+    }
+    float total = 0.f;
+    for (int64_t t = 0; t < n; ++t) {
+      s[t] = std::exp((s[t] - top) * scale);
+      total += s[t];
+    }
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t t = 0; t < n; ++t) {
+      const T* v = values + static_cast<int64_t>(slots[t]) * dim;
+      for (int64_t d = 0; d < dim; ++d) acc[d] += s[t] * to_float(v[d]);
+    }
+    for (int64_t d = 0; d < dim; ++d) out[g * dim + d] = static_cast<T>(acc[d] / total);
+  }
+}
+
+#ifdef RS_X86
+#define RS_AVX512 __attribute__((target("avx512f,avx512dq")))
+
+RS_AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+RS_AVX512 inline __m512 load16(const c10::BFloat16* p) {
+  // bfloat16 is the top half of a float32: widen and shift.
+  __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+// e^x for x <= 0 (scores minus their maximum): x = n ln2 + r with |r| <= ln2/2, a degree-6
+// polynomial for e^r (Cephes' expf coefficients), then scale by 2^n. Relative error ~2e-7.
+RS_AVX512 inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));  // below this e^x is 0 in float32 anyway
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// s[t] = e^(scale (s[t] - top)) for t < n; returns their sum.
+RS_AVX512 inline float softmax_in_place(float* s, int64_t n, float top, float scale) {
+  const __m512 mv = _mm512_set1_ps(top), sv = _mm512_set1_ps(scale);
+  __m512 sum = _mm512_setzero_ps();
+  int64_t t = 0;
+  for (; t + 16 <= n; t += 16) {
+    __m512 e = exp16(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(s + t), mv), sv));
+    _mm512_storeu_ps(s + t, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  if (t < n) {
+    __mmask16 tail = static_cast<__mmask16>((1u << (n - t)) - 1);
+    __m512 e = exp16(_mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + t), mv), sv));
+    _mm512_mask_storeu_ps(s + t, tail, e);
+    sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(tail, e));
+  }
+  return _mm512_reduce_add_ps(sum);
+}
+
+RS_AVX512 inline float max_of(const float* s, int64_t n) {
+  __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t t = 0;
+  for (; t + 16 <= n; t += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(s + t));
+  float m = _mm512_reduce_max_ps(top);
+  for (; t < n; ++t) m = std::max(m, s[t]);
+  return m;
+}
+
+// The same as attend_portable, 16 floats at a time; D (head_dim) is a multiple of 16.
+template <typename T, int D>
+RS_AVX512 void attend_avx512(const float* q, const T* keys, const T* values,
+                             const int32_t* slots, int64_t n, int64_t groups, float scale,
+                             float* scores, T* out) {
+  constexpr int W = D / 16;
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 qg[W];
+    for (int j = 0; j < W; ++j) qg[j] = _mm512_loadu_ps(q + g * D + 16 * j);
+    float* s = scores + g * n;
+    for (int64_t t = 0; t < n; ++t) {
+      const T* k = keys + static_cast<int64_t>(slots[t]) * D;
+      __m512 acc = _mm512_mul_ps(qg[0], load16(k));
+      for (int j = 1; j < W; ++j) acc = _mm512_fmadd_ps(qg[j], load16(k + 16 * j), acc);
+      s[t] = _mm512_reduce_add_ps(acc);
+    }
+    const float total = softmax_in_place(s, n, max_of(s, n), scale);
+    __m512 acc[W];
+    for (int j = 0; j < W; ++j) acc[j] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < n; ++t) {
+      const T* v = values + static_cast<int64_t>(slots[t]) * D;
+      __m512 p = _mm512_set1_ps(s[t]);
+      for (int j = 0; j < W; ++j) acc[j] = _mm512_fmadd_ps(p, load16(v + 16 * j), acc[j]);
+    }
+    alignas(64) float row[D];
+    __m512 inv = _mm512_set1_ps(1.0f / total);
+    for (int j = 0; j < W; ++j) _mm512_store_ps(row + 16 * j, _mm512_mul_ps(acc[j], inv));
+    for (int d = 0; d < D; ++d) out[g * D + d] = static_cast<T>(row[d]);
+  }
+}
+
+// bfloat16 pools on CPUs with AVX512-BF16: products of bfloat16 pairs summed into float32 by
+// one instruction (vdpbf16ps), K and V never widened. Scores of 16 keys are reduced together
+// (reduce16) rather than one horizontal sum per key; V is read two keys at a time,
+// interleaved, against the two keys' probabilities (rounded to bfloat16, as a bfloat16 matmul
+// of probabilities and V would round them).
+#define RS_AVX512BF16 __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl,avx512bf16")))
+
+// out[j] = sum of the 16 lanes of v[kReduceSlot[j]]: four rounds of pairwise shuffles and adds.
+// The shuffles leave the sums in this (self-inverse) order, so callers store key j's
+// accumulator at v[kReduceSlot[j]] and read the 16 scores in key order.
+constexpr int kReduceSlot[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
+
+RS_AVX512 inline __m512 reduce16(const __m512* v) {
+  __m512 w[8], x[4], y[2];
+  for (int i = 0; i < 8; ++i)
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[i], v[i + 8], 0x44),
+                         _mm512_shuffle_f32x4(v[i], v[i + 8], 0xEE));
+  for (int i = 0; i < 4; ++i)
+    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[i], w[i + 4], 0x88),
+                         _mm512_shuffle_f32x4(w[i], w[i + 4], 0xDD));
+  for (int i = 0; i < 2; ++i)
+    y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[i], x[i + 2], 0x44),
+                         _mm512_shuffle_ps(x[i], x[i + 2], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xDD));
+}
+
+RS_AVX512BF16 inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh&>(x); }
+
+RS_AVX512BF16 inline __m512bh load_bh(const c10::BFloat16* p) {
+  return as_bh(_mm512_loadu_si512(p));
+}
+
+// Probabilities x values for NG query heads at once (their accumulators stay in registers
+// while each pair of V rows is interleaved once). Pair lane i of chunk c holds dims
+// c*32 + 8*(i/4) + i%4 (from unpacklo) or that + 4 (from unpackhi).
+template <int D, int NG>
+RS_AVX512BF16 void weigh_values_bf16(const uint16_t* probs, int64_t stride, const float* total,
+                                     const c10::BFloat16* values, const int32_t* slots,
+                                     int64_t n, c10::BFloat16* out) {
+  constexpr int C = D / 32;
+  __m512 lo[NG][C], hi[NG][C];
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < C; ++c) lo[g][c] = hi[g][c] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < n; t += 2) {
+    const c10::BFloat16* a = values + static_cast<int64_t>(slots[t]) * D;
+    const c10::BFloat16* b = t + 1 < n ? values + static_cast<int64_t>(slots[t + 1]) * D : nullptr;
+    __m512i even[C], odd[C];
+    for (int c = 0; c < C; ++c) {
+      __m512i ra = _mm512_loadu_si512(a + 32 * c);
+      __m512i rb = b ? _mm512_loadu_si512(b + 32 * c) : _mm512_setzero_si512();
+      even[c] = _mm512_unpacklo_epi16(ra, rb);
+      odd[c] = _mm512_unpackhi_epi16(ra, rb);
+    }
+    for (int g = 0; g < NG; ++g) {
+      uint32_t pair;  // probs has a zero after each row's last entry
+      std::memcpy(&pair, probs + g * stride + t, sizeof(pair));
+      const __m512bh p = as_bh(_mm512_set1_epi32(static_cast<int32_t>(pair)));
+      for (int c = 0; c < C; ++c) {
+        lo[g][c] = _mm512_dpbf16_ps(lo[g][c], as_bh(even[c]), p);
+        hi[g][c] = _mm512_dpbf16_ps(hi[g][c], as_bh(odd[c]), p);
+      }
+    }
+  }
+  for (int g = 0; g < NG; ++g) {
+    const __m512 inv = _mm512_set1_ps(1.0f / total[g]);
+    for (int c = 0; c < C; ++c) {
+      alignas(64) float l[16], h[16];
+      _mm512_store_ps(l, _mm512_mul_ps(lo[g][c], inv));
+      _mm512_store_ps(h, _mm512_mul_ps(hi[g][c], inv));
+      for (int i = 0; i < 16; ++i) {
+        const int d = 32 * c + 8 * (i / 4) + i % 4;
+        out[g * D + d] = static_cast<c10::BFloat16>(l[i]);
+        out[g * D + d + 4] = static_cast<c10::BFloat16>(h[i]);
+      }
+    }
+  }
+}
+
+template <int D>
+RS_AVX512BF16 void attend_bf16(const c10::BFloat16* q, const c10::BFloat16* keys,
+                               const c10::BFloat16* values, const int32_t* slots, int64_t n,
+                               int64_t groups, float scale, float* scores, uint16_t* probs,
+                               c10::BFloat16* out) {
+  constexpr int C = D / 32;
+  const int64_t stride = n + 2;  // each head's probabilities, a zero after the last
+  std::vector<float> total(groups);
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512bh qg[C];
+    for (int c = 0; c < C; ++c) qg[c] = load_bh(q + g * D + 32 * c);
+    float* s = scores + g * n;
+    int64_t t = 0;
+    for (; t + 16 <= n; t += 16) {
+      __m512 acc[16];
+      for (int j = 0; j < 16; ++j) {
+        const c10::BFloat16* k = keys + static_cast<int64_t>(slots[t + j]) * D;
+        __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), load_bh(k), qg[0]);
+        for (int c = 1; c < C; ++c) a = _mm512_dpbf16_ps(a, load_bh(k + 32 * c), qg[c]);
+        acc[kReduceSlot[j]] = a;
+      }
+      _mm512_storeu_ps(s + t, reduce16(acc));
+    }
+    for (; t < n; ++t) {
+      const c10::BFloat16* k = keys + static_cast<int64_t>(slots[t]) * D;
+      __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), load_bh(k), qg[0]);
+      for (int c = 1; c < C; ++c) a = _mm512_dpbf16_ps(a, load_bh(k + 32 * c), qg[c]);
+      s[t] = _mm512_reduce_add_ps(a);
+    }
+    total[g] = softmax_in_place(s, n, max_of(s, n), scale);
+    uint16_t* p = probs + g * stride;
+    for (t = 0; t + 16 <= n; t += 16) {
+      __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(s + t));
+      std::memcpy(p + t, &h, sizeof(h));
+    }
+    for (; t < n; ++t) {
+      c10::BFloat16 h(s[t]);
+      std::memcpy(p + t, &h, sizeof(h));
+    }
+    p[n] = p[n + 1] = 0;
+  }
+  // Query heads in blocks whose accumulators fit the 32 vector registers.
+  constexpr int kBlock = D == 64 ? 4 : 2;
+  int64_t g = 0;
+  for (; g + kBlock <= groups; g += kBlock)
+    weigh_values_bf16<D, kBlock>(probs + g * stride, stride, total.data() + g, values, slots, n,
+                                 out + g * D);
+  for (; g < groups; ++g)
+    weigh_values_bf16<D, 1>(probs + g * stride, stride, total.data() + g, values, slots, n,
+                            out + g * D);
+}
+#endif
+
+// How far the vector code may go: 0 portable C++, 1 AVX-512, 2 AVX-512 with BF16 (bfloat16
+// pools only). The kernel takes the lesser of what the caller allows and what the CPU has, so
+// tests can run every path on one machine.
+int cpu_level() {
+#ifdef RS_X86
+  if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512dq")) return 0;
+  const bool bf16 = __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+                    __builtin_cpu_supports("avx512bf16");
+  return bf16 ? 2 : 1;
+#else
+  return 0;
+#endif
+}
+
+template <typename T>
+void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+         const at::Tensor& slots, const at::Tensor& starts, float scale, int level,
+         at::Tensor& out) {
+  const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
+  const int64_t kv_heads = k_cache.size(0), num_slots = k_cache.size(1);
+  const int64_t groups = heads / kv_heads;
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  const int32_t* sp = slots.data_ptr<int32_t>();
+  const int64_t* st = starts.data_ptr<int64_t>();
+  T* op = out.data_ptr<T>();
+  int64_t longest = 0;
+  for (int64_t b = 0; b < batch; ++b) longest = std::max(longest, st[b + 1] - st[b]);
+  at::parallel_for(0, kv_heads * batch, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(groups * longest);
+    std::vector<uint16_t> probs(groups * (longest + 2));
+    std::vector<float> qf(groups * dim);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t h = item / batch, b = item % batch;
+      const T* qb = qp + (b * heads + h * groups) * dim;
+      const T* keys = kp + h * num_slots * dim;
+      const T* values = vp + h * num_slots * dim;
+      const int32_t* table = sp + st[b];
+      const int64_t n = st[b + 1] - st[b];
+      T* ob = op + (b * heads + h * groups) * dim;
+#ifdef RS_X86
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        if (level >= 2 && dim == 64) {
+          attend_bf16<64>(qb, keys, values, table, n, groups, scale, scores.data(),
+                          probs.data(), ob);
+          continue;
+        }
+        if (level >= 2 && dim == 128) {
+          attend_bf16<128>(qb, keys, values, table, n, groups, scale, scores.data(),
+                           probs.data(), ob);
+          continue;
+        }
+      }
+#endif
+      for (int64_t i = 0; i < groups * dim; ++i) qf[i] = to_float(qb[i]);
+#ifdef RS_X86
+      if (level >= 1 && dim == 64) {
+        attend_avx512<T, 64>(qf.data(), keys, values, table, n, groups, scale, scores.data(), ob);
+        continue;
+      }
+      if (level >= 1 && dim == 128) {
+        attend_avx512<T, 128>(qf.data(), keys, values, table, n, groups, scale, scores.data(),
+                              ob);
+        continue;
+      }
+#endif
+      attend_portable<T>(qf.data(), keys, values, table, n, groups, dim, scale, scores.data(),
+                         ob);
+    }
+  });
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& slots,
+                            const at::Tensor& starts, double scale, int64_t max_level) {
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(),
+              "q [batch, heads, dim] and caches [kv_heads, slots, dim]");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "q and caches must be contiguous");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() &&
+                  v_cache.scalar_type() == k_cache.scalar_type(),
+              "q and caches must share a dtype");
+  TORCH_CHECK(q.size(2) == k_cache.size(2) && q.size(1) % k_cache.size(0) == 0,
+              "head_dim must match and heads must be a multiple of kv_heads");
+  TORCH_CHECK(slots.scalar_type() == at::kInt && slots.is_contiguous(), "slots: int32");
+  TORCH_CHECK(starts.scalar_type() == at::kLong && starts.is_contiguous() &&
+                  starts.numel() == q.size(0) + 1,
+              "starts: int64 [batch + 1]");
+  const int64_t* st = starts.data_ptr<int64_t>();
+  for (int64_t b = 0; b < q.size(0); ++b)
+    TORCH_CHECK(st[b] < st[b + 1] && st[b] >= 0, "every context needs at least one slot");
+  TORCH_CHECK(st[q.size(0)] <= slots.numel(), "starts run past slots");
+  // A bad slot would read outside the pool: check them all (microseconds per step).
+  const int32_t* sp = slots.data_ptr<int32_t>();
+  const int64_t used = st[q.size(0)], num_slots = k_cache.size(1);
+  for (int64_t i = 0; i < used; ++i)
+    TORCH_CHECK(sp[i] >= 0 && sp[i] < num_slots, "slot ", sp[i], " is outside the pool");
+  at::Tensor out = at::empty_like(q);
+  const int level = static_cast<int>(std::min<int64_t>(max_level, cpu_level()));
+  const float fscale = static_cast<float>(scale);
+  if (q.scalar_type() == at::kFloat) {
+    run<float>(q, k_cache, v_cache, slots, starts, fscale, level, out);
+  } else if (q.scalar_type() == at::kBFloat16) {
+    run<c10::BFloat16>(q, k_cache, v_cache, slots, starts, fscale, level, out);
+  } else {
+    TORCH_CHECK(false, "decode_attention supports float32 and bfloat16");
+  }
+  return out;
+}
+
+int64_t decode_attention_level() { return cpu_level(); }
+
+}  // namespace
+
+TORCH_LIBRARY(radixserve, m) {
+  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, "
+        "Tensor starts, float scale, int max_level) -> Tensor");
+  m.impl("decode_attention", c10::DispatchKey::CPU, TORCH_FN(decode_attention));
+  m.def("decode_attention_level() -> int", &decode_attention_level);
+}
