@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from radixserve.cache import InsertResult, NoCache, PrefixCache, RadixCache, make_prefix_cache
-from radixserve.cache.radix import NOT_PINNED
+from radixserve.cache.pins import NOT_PINNED
 from radixserve.engine.kv_pool import PageAllocator
 
 POOL_SLOTS = 48

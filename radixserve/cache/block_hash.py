@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from radixserve.cache.base import CacheStats, InsertResult, MatchResult, Namespace, ReleaseFn
-from radixserve.cache.radix import NOT_PINNED, PinBook
+from radixserve.cache.pins import NOT_PINNED, PinBook
 
 # (parent block's hash, this block's tokens, namespace) -> this block's hash.
 BlockHashFn = Callable[[int, tuple[int, ...], Namespace], int]

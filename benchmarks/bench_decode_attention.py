@@ -1,0 +1,150 @@
+"""Decode attention, the C++ kernel against the PyTorch path, on the same batch and pool.
+
+Decode requests whose contexts sit in the real engine's KV pool (default model, its pool and
+runner), laid out as the prefix cache lays them out: a few shared prefixes, each request's
+own suffix and output after them. For each shape: one layer's decode attention alone (the
+kernel's single call vs the PyTorch path's gathers, bmm and softmax over the runner's decode
+groups), and a whole decode step (the model forward over the batch) with either backend.
+
+    .venv/bin/python benchmarks/bench_decode_attention.py --out results/decode_attention.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from radixserve import LLM, SamplingParams
+from radixserve.engine.request import Request
+from radixserve.engine.scheduler import SchedulerOutput
+
+# (label, requests, distinct prefixes, prefix tokens, own tokens per request)
+SHAPES = [
+    ("prefix-heavy: 8 requests on 4 prefixes of 1,500", 8, 4, 1500, 60),
+    ("16 users on one 2,000-token prompt", 16, 1, 2000, 60),
+    ("32 unrelated chats of 600 tokens", 32, 32, 0, 600),
+    ("batch 1, 2,000-token context", 1, 1, 2000, 30),
+]
+
+
+def _best_ms(fn: Callable[[], object], repeat: int) -> float:
+    for _ in range(3):
+        fn()
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(repeat):
+            fn()
+        best = min(best, (time.perf_counter() - start) / repeat * 1e3)
+    return best
+
+
+def _requests(
+    llm: LLM, n: int, prefixes: int, prefix_len: int, own: int
+) -> tuple[list[Request], list[list[int]]]:
+    """Decode-ready requests holding slots of the engine's pool (K/V values are random), and
+    every slot list allocated for them."""
+    allocator = llm.engine.pool.allocator
+    shared = [allocator.allocate(prefix_len) if prefix_len else [] for _ in range(prefixes)]
+    allocated = list(shared)
+    rng = random.Random(0)
+    requests = []
+    for i in range(n):
+        length = prefix_len + own
+        request = Request(f"r{i}", [rng.randrange(200, 40000) for _ in range(length)],
+                          SamplingParams(max_tokens=1))
+        allocated.append(allocator.allocate(own + 1))
+        request.slots = shared[i % prefixes] + allocated[-1]
+        request.num_computed = length - 1  # the newest prompt token is this step's decode
+        requests.append(request)
+    rng.shuffle(requests)  # the runner orders them itself
+    return requests, allocated
+
+
+def measure(llm: LLM, shape: tuple[str, int, int, int, int], repeat: int) -> dict:
+    label, n, prefixes, prefix_len, own = shape
+    engine = llm.engine
+    runner, model, pool = engine.runner, engine.model, engine.pool
+    kernel = runner.decode_kernel
+    assert kernel is not None, "the C++ kernel did not build here"
+    requests, allocated = _requests(llm, n, prefixes, prefix_len, own)
+    plan = SchedulerOutput(decodes=requests)
+    attention = model.layers[0].self_attn
+    heads, dim = attention.num_heads, attention.head_dim
+    k_cache, v_cache = pool.k[0], pool.v[0]
+    q = torch.randn(n, heads, dim, dtype=k_cache.dtype)
+    kv = torch.randn(n, attention.num_kv_heads, dim, dtype=k_cache.dtype)
+    result: dict[str, object] = {"shape": label, "requests": n,
+                                 "context_tokens": prefix_len + own}
+
+    batch, _ = runner.build_batch(plan)
+    run = batch.kernel_decode
+    assert run is not None
+    result["layer_kernel_ms"] = _best_ms(
+        lambda: kernel(q, k_cache, v_cache, run.slots, run.starts, attention.scale,
+                       run.max_level), repeat)
+
+    runner.decode_kernel = None
+    try:
+        batch, _ = runner.build_batch(plan)
+
+        def torch_layer() -> None:
+            for group in batch.decode_groups:
+                group.kept, group.append_at = None, None  # gather every time, as a new batch
+                rows = slice(group.start, group.end)
+                attention._decode_attention(q[rows], kv[rows], kv[rows], group, k_cache,
+                                            v_cache)
+
+        result["layer_torch_ms"] = _best_ms(torch_layer, repeat)
+        result["step_torch_ms"] = _best_ms(
+            lambda: model(runner.build_batch(plan)[0], pool.k, pool.v), max(1, repeat // 10))
+    finally:
+        runner.decode_kernel = kernel
+    result["step_kernel_ms"] = _best_ms(
+        lambda: model(runner.build_batch(plan)[0], pool.k, pool.v), max(1, repeat // 10))
+    result["layer_speedup"] = result["layer_torch_ms"] / result["layer_kernel_ms"]
+    result["step_speedup"] = result["step_torch_ms"] / result["step_kernel_ms"]
+    for slots in allocated:
+        if slots:
+            pool.allocator.release(slots)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--repeat", type=int, default=50)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    llm = LLM(args.model, dtype=args.dtype, kv_cache_tokens=80_000, show_progress=False)
+    rows = []
+    for shape in SHAPES:
+        row = measure(llm, shape, args.repeat)
+        rows.append(row)
+        print(f"{row['shape']:50s} layer: kernel {row['layer_kernel_ms']:.3f} ms vs torch "
+              f"{row['layer_torch_ms']:.3f} ms ({row['layer_speedup']:.1f}x) | step: kernel "
+              f"{row['step_kernel_ms']:.1f} ms vs torch {row['step_torch_ms']:.1f} ms "
+              f"({row['step_speedup']:.2f}x)", flush=True)
+    report = {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "machine": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+        "dtype": args.dtype,
+        "kernel_level": torch.ops.radixserve.decode_attention_level(),
+        "rows": rows,
+    }
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
