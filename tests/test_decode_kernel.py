@@ -4,7 +4,10 @@ its input checks, and the engine's outputs through it against the PyTorch path."
 from __future__ import annotations
 
 import itertools
+import os
 import random
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -229,3 +232,48 @@ def test_kernel_backend_refuses_what_it_cannot_run(model_path):
             show_progress=False)
     with pytest.raises(ValueError, match="attention_backend must be one of"):
         LLM(str(model_path), attention_backend="flash", show_progress=False)
+
+
+# ----- building it -----
+
+_LOAD = ("import logging\nlogging.basicConfig(level=logging.INFO)\n"
+         "import torch\nfrom radixserve.kernels import decode_attention_op\n"
+         "op = decode_attention_op()\nprint('op:', op)\n"
+         "print('level:', torch.ops.radixserve.decode_attention_level() if op else None)\n")
+
+
+def _python(code: str, home, **env) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "RADIXSERVE_HOME": str(home), **env},
+    )
+
+
+def test_concurrent_first_builds_both_load_and_publish_one_library(tmp_path):
+    # Two processes start on a machine that has never built the kernel (server workers, test
+    # runs): each builds privately, both get the op, one library is published, nothing is left
+    # half-built; a third process then loads it without compiling.
+    built = 0
+    for process in [_python(_LOAD, tmp_path), _python(_LOAD, tmp_path)]:
+        out, err = process.communicate(timeout=300)
+        assert process.returncode == 0, err
+        assert "op: radixserve.decode_attention" in out, (out, err)
+        built += "building the decode-attention kernel" in err
+    assert built >= 1
+    kernels = tmp_path / "kernels"
+    assert len(list(kernels.glob("decode_attention-*.so"))) == 1
+    assert not list(kernels.glob("build-*"))
+    third = _python(_LOAD, tmp_path)
+    out, err = third.communicate(timeout=120)
+    assert third.returncode == 0 and "op: radixserve.decode_attention" in out, err
+    assert "building the decode-attention kernel" not in err  # loaded, not rebuilt
+
+
+def test_without_a_compiler_the_engine_keeps_the_pytorch_path(tmp_path):
+    broken = {"CXX": str(tmp_path / "no-such-compiler"), "PATH": str(tmp_path)}
+    process = _python(_LOAD, tmp_path, **broken)
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 0, err
+    assert "op: None" in out
+    assert "decode attention kernel unavailable" in err and "using the PyTorch path" in err
+    assert not list((tmp_path / "kernels").glob("*.so"))
