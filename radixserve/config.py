@@ -11,6 +11,9 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # kernel: our C++ decode attention reading the paged pool in place (CPU, float32/bfloat16);
 # torch: PyTorch ops over gathered K/V (any device); auto: kernel where it applies and builds.
 ATTENTION_BACKENDS = ("auto", "kernel", "torch")
+# kernel: our C++ bfloat16 matmul for steps of at most 16 tokens (CPU with AVX512-BF16);
+# torch: nn.Linear (oneDNN on CPU); auto: kernel where it applies and builds.
+MATMUL_BACKENDS = ("auto", "kernel", "torch")
 
 
 @dataclass
@@ -36,6 +39,7 @@ class EngineConfig:
     dedup_min_tokens: int = 32
     max_pinned_fraction: float = 0.5  # cap on KV held by TTL pins (cache_control)
     attention_backend: str = "auto"  # decode attention; see ATTENTION_BACKENDS
+    matmul_backend: str = "auto"  # projections of steps with few tokens; see MATMUL_BACKENDS
     num_threads: int | None = None  # torch CPU threads; None keeps torch's default
     seed: int = 0
     show_progress: bool = True
@@ -57,6 +61,8 @@ class EngineConfig:
         need(self.attention_backend in ATTENTION_BACKENDS,
              f"attention_backend must be one of {ATTENTION_BACKENDS}, "
              f"got {self.attention_backend!r}")
+        need(self.matmul_backend in MATMUL_BACKENDS,
+             f"matmul_backend must be one of {MATMUL_BACKENDS}, got {self.matmul_backend!r}")
         need(self.page_size >= 1, "page_size must be >= 1")
         need(self.kv_cache_tokens is None or self.kv_cache_tokens >= self.page_size,
              "kv_cache_tokens must be at least one page")

@@ -20,7 +20,7 @@ from radixserve.engine.kv_pool import KVPool
 from radixserve.engine.request import Request, RequestStatus
 from radixserve.engine.runner import ModelRunner
 from radixserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
-from radixserve.kernels import decode_attention_op
+from radixserve.kernels import decode_attention_op, skinny_matmul_op
 from radixserve.model.default_model import resolve_model_path
 from radixserve.model.llama import LlamaModel
 from radixserve.model.loader import load_model_files
@@ -103,7 +103,8 @@ class LLMEngine:
                                        max_pinned_tokens=pinned)
         self.scheduler = Scheduler(config, self.pool.allocator, self.cache, clock)
         self.runner = ModelRunner(self.model, self.pool, self.device,
-                                  decode_kernel=self._decode_kernel(config.attention_backend))
+                                  decode_kernel=self._decode_kernel(config.attention_backend),
+                                  matmul_kernel=self._matmul_kernel(config.matmul_backend))
         self.groups: dict[str, list[Request]] = {}
         self.computed_tokens_total = 0  # every token run through the model
         self.step_count = 0
@@ -112,10 +113,11 @@ class LLMEngine:
         self.model_seconds = 0.0
         logger.info(
             "model %s (%s, %s on %s): KV pool %d tokens in pages of %d, prefix cache %s, "
-            "decode attention %s",
+            "decode attention %s, matmuls of few rows %s",
             self.model_path, mc.architecture, str(self.dtype).removeprefix("torch."),
             self.device, self.pool.num_slots, config.page_size, config.prefix_cache,
             "kernel" if self.runner.decode_kernel else "torch",
+            "kernel" if self.runner.matmul_kernel else "torch",
         )
 
     def _decode_kernel(self, backend: str) -> Callable[..., torch.Tensor] | None:
@@ -127,6 +129,20 @@ class LLMEngine:
         if op is None and backend == "kernel":
             raise ValueError(
                 "attention_backend='kernel' needs a CPU device, float32 or bfloat16, and a C++ "
+                "compiler to build the kernel" + ("" if applies else
+                f" (this engine runs {self.dtype} on {self.device})")
+            )
+        return op
+
+    def _matmul_kernel(self, backend: str) -> Callable[..., torch.Tensor] | None:
+        """The C++ small-batch matmul when the backend asks for it and it applies here."""
+        if backend == "torch":
+            return None
+        applies = self.device.type == "cpu" and self.dtype == torch.bfloat16
+        op = skinny_matmul_op() if applies else None
+        if op is None and backend == "kernel":
+            raise ValueError(
+                "matmul_backend='kernel' needs a CPU with AVX512-BF16, bfloat16, and a C++ "
                 "compiler to build the kernel" + ("" if applies else
                 f" (this engine runs {self.dtype} on {self.device})")
             )

@@ -16,6 +16,7 @@ from radixserve.engine.kv_pool import KVPool
 from radixserve.engine.request import Request
 from radixserve.engine.sampler import SampleResult, sample
 from radixserve.engine.scheduler import SchedulerOutput, common_prefix_len
+from radixserve.kernels import SKINNY_MAX_ROWS
 from radixserve.model.llama import (
     DecodeGroup,
     ForwardBatch,
@@ -53,11 +54,14 @@ class ModelRunner:
     def __init__(
         self, model: LlamaModel, pool: KVPool, device: torch.device,
         decode_kernel: Callable[..., torch.Tensor] | None = None,
+        matmul_kernel: Callable[..., torch.Tensor] | None = None,
     ) -> None:
         self.model = model
         # The C++ decode attention (radixserve/kernels), or None for the PyTorch path below.
         self.decode_kernel = decode_kernel
         self.kernel_level = 2  # the kernel's most vectorised path allowed (see KernelDecode)
+        # The C++ bfloat16 matmul for steps of at most SKINNY_MAX_ROWS tokens, or None.
+        self.matmul_kernel = matmul_kernel
         self.pool = pool
         self.device = device
         self.window = model.config.sliding_window
@@ -144,6 +148,7 @@ class ModelRunner:
             prefills=prefills,
             logit_rows=self._tensor(logit_rows),
             kernel_decode=kernel,
+            matmul=self.matmul_kernel if len(ids) <= SKINNY_MAX_ROWS else None,
         )
         return batch, wants_logits
 

@@ -122,6 +122,19 @@ class ForwardBatch:
     prefills: list[PrefillSpan]
     logit_rows: torch.Tensor  # [R] rows whose next-token logits are wanted
     kernel_decode: KernelDecode | None = None
+    # y = x W^T (+ b) for this batch's projections when it has few rows (the C++ skinny
+    # matmul, which streams the weights once where oneDNN reads them at half the bandwidth);
+    # None: nn.Linear.
+    matmul: Callable[..., torch.Tensor] | None = None
+
+
+def project(layer: nn.Linear, x: torch.Tensor, matmul: Callable[..., torch.Tensor] | None
+            ) -> torch.Tensor:
+    """layer(x), through `matmul` where it takes the shapes (K % 32 == 0, N % 16 == 0)."""
+    out_features, in_features = layer.weight.shape
+    if matmul is not None and in_features % 32 == 0 and out_features % 16 == 0:
+        return matmul(x.contiguous(), layer.weight, layer.bias)
+    return layer(x)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -195,7 +208,7 @@ class Attention(nn.Module):
         v_cache: torch.Tensor,
     ) -> torch.Tensor:
         tokens = x.shape[0]
-        qkv = self.qkv_proj(x).view(tokens, -1, self.head_dim)
+        qkv = project(self.qkv_proj, x, batch.matmul).view(tokens, -1, self.head_dim)
         # q and k heads rotate together: one set of elementwise kernels instead of two.
         qk = _rotate(qkv[:, : self.num_heads + self.num_kv_heads], cos, sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
@@ -230,7 +243,7 @@ class Attention(nn.Module):
                 scale=self.scale,
                 enable_gqa=True,
             )[0].transpose(0, 1)
-        return self.o_proj(out.view(tokens, -1))
+        return project(self.o_proj, out.view(tokens, -1), batch.matmul)
 
     @staticmethod
     def _blocked_prefill(q: torch.Tensor) -> bool:
@@ -344,9 +357,11 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(
+        self, x: torch.Tensor, matmul: Callable[..., torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        gate, up = project(self.gate_up_proj, x, matmul).split(self.intermediate, dim=-1)
+        return project(self.down_proj, F.silu(gate) * up, matmul)
 
 
 class DecoderLayer(nn.Module):
@@ -385,9 +400,10 @@ class LlamaModel(nn.Module):
                 layer.input_layernorm(residual), cos, sin, batch, k_caches[i], v_caches[i]
             )
             residual = residual + h
-            residual = residual + layer.mlp(layer.post_attention_layernorm(residual))
+            residual = residual + layer.mlp(layer.post_attention_layernorm(residual),
+                                            batch.matmul)
         last = self.norm(residual[batch.logit_rows])
-        return self.lm_head(last).float()
+        return project(self.lm_head, last, batch.matmul).float()
 
     def load_hf_weights(self, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
         """Takes HF-named float tensors, fusing q/k/v and gate/up; casts to `dtype`."""

@@ -17,6 +17,7 @@ from types import FrameType
 from radixserve.config import (
     ATTENTION_BACKENDS,
     DTYPES,
+    MATMUL_BACKENDS,
     PREFIX_CACHE_MODES,
     SCHEDULE_POLICIES,
     EngineConfig,
@@ -64,6 +65,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                        help="decode attention: kernel (C++, reads the paged KV pool in place; "
                             "CPU, float32/bfloat16), torch (PyTorch ops, any device), auto "
                             "(kernel where it applies and compiles)")
+    model.add_argument("--matmul-backend", choices=MATMUL_BACKENDS, default="auto",
+                       help="projections of steps with at most 16 tokens (decode): kernel (C++, "
+                            "bfloat16 on CPUs with AVX512-BF16), torch (nn.Linear), auto")
     model.add_argument("--num-threads", type=int, default=None,
                        help="torch CPU threads; unset: torch's default")
     model.add_argument("--seed", type=int, default=0, help="engine seed")
@@ -155,7 +159,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         page_size=args.page_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         prefix_cache=args.prefix_cache, schedule_policy=args.schedule_policy,
-        attention_backend=args.attention_backend,
+        attention_backend=args.attention_backend, matmul_backend=args.matmul_backend,
         num_threads=args.num_threads, seed=args.seed, show_progress=sys.stderr.isatty(),
         debug_invariants=args.debug_invariants, max_pinned_fraction=args.max_pinned_fraction,
     )

@@ -1,5 +1,6 @@
-"""The C++ decode attention (radixserve/kernels): every code path against a float64 reference,
-its input checks, and the engine's outputs through it against the PyTorch path."""
+"""The C++ kernels (radixserve/kernels): decode attention on every code path and the skinny
+bfloat16 matmul against float64 references, their input checks, the engine's outputs through
+them against the PyTorch paths, and how the library is built."""
 
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ import torch
 
 from radixserve import LLM, SamplingParams
 from radixserve.engine.request import Request
-from radixserve.kernels import decode_attention_op
+from radixserve.kernels import SKINNY_MAX_ROWS, decode_attention_op, skinny_matmul_op
+from radixserve.model.llama import project
 
 OP = decode_attention_op()
+MATMUL = skinny_matmul_op()
 
 
 def _cpu_flags() -> set[str]:
@@ -71,6 +74,7 @@ def test_kernel_builds_here_and_reports_the_cpu_level():
     if {"avx512f", "avx512dq"} <= flags:
         expected = 2 if {"avx512bw", "avx512vl", "avx512_bf16"} <= flags else 1
     assert torch.ops.radixserve.decode_attention_level() == expected
+    assert (MATMUL is not None) == (expected == 2)  # the matmul needs AVX512-BF16
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -236,6 +240,100 @@ def test_kernel_backend_refuses_what_it_cannot_run(model_path):
 
 # ----- building it -----
 
+# ----- the skinny matmul -----
+
+needs_bf16_dot = pytest.mark.skipif(
+    MATMUL is None, reason="the skinny matmul needs AVX512-BF16 (checked against the CPU's "
+    "flags in test_kernel_builds_here_and_reports_the_cpu_level)")
+
+
+@needs_bf16_dot
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 13, 16])
+@pytest.mark.parametrize(("n", "k", "bias"), [(48, 64, False), (960, 576, True),
+                                              (576, 1536, False)])
+def test_skinny_matmul_matches_float64(rows, n, k, bias):
+    # Row counts cover every tile shape (8, 4, 2 and 1 rows of x) and their mixes.
+    gen = torch.Generator().manual_seed(rows * n + k)
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    w = (torch.randn(n, k, generator=gen) / k**0.5).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16() if bias else None
+    got = MATMUL(x, w, b)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    want = x.double() @ w.double().t() + (b.double() if bias else 0)
+    # One bfloat16 rounding of the result (2^-8 relative) plus float32 sums.
+    assert ((got.double() - want).abs() <= want.abs() / 128 + 1e-3).all()
+
+
+@needs_bf16_dot
+def test_skinny_matmul_refuses_what_it_cannot_take():
+    w = torch.randn(64, 64).bfloat16()
+    with pytest.raises(RuntimeError, match="rows"):
+        MATMUL(torch.randn(SKINNY_MAX_ROWS + 1, 64).bfloat16(), w, None)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        MATMUL(torch.randn(2, 64), w.float(), None)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        MATMUL(torch.randn(2, 48).bfloat16(), torch.randn(64, 48).bfloat16(), None)
+    with pytest.raises(RuntimeError, match="of 16"):
+        MATMUL(torch.randn(2, 64).bfloat16(), torch.randn(40, 64).bfloat16(), None)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        MATMUL(torch.randn(64, 2).bfloat16().t(), w, None)
+
+
+def test_project_falls_back_where_the_kernel_does_not_fit():
+    calls = []
+
+    def matmul(x, w, b):
+        calls.append(tuple(w.shape))
+        return torch.nn.functional.linear(x, w, b)
+
+    x = torch.randn(3, 64)
+    fits, odd = torch.nn.Linear(64, 32), torch.nn.Linear(64, 40)
+    assert torch.equal(project(fits, x, matmul), fits(x))
+    assert torch.equal(project(odd, x, matmul), odd(x))
+    assert torch.equal(project(fits, x, None), fits(x))
+    assert calls == [(32, 64)]
+
+
+@needs_bf16_dot
+def test_engine_decodes_through_the_skinny_matmul(model_path):
+    # bfloat16 engine: a step of at most 16 tokens runs every projection and the LM head
+    # through the kernel, and its logits stay as close to float32 as nn.Linear's.
+    settings = dict(kv_cache_tokens=2000, show_progress=False, prefix_cache="off")
+    fast = LLM(str(model_path), dtype="bfloat16", matmul_backend="kernel", **settings)
+    plain = LLM(str(model_path), dtype="bfloat16", matmul_backend="torch", **settings)
+    exact = LLM(str(model_path), dtype="float32", **settings)
+    assert plain.engine.runner.matmul_kernel is None
+    runner = fast.engine.runner
+    op, shapes = runner.matmul_kernel, []
+
+    def counted(x, w, b):
+        shapes.append((x.shape[0], w.shape[0]))
+        return op(x, w, b)
+
+    runner.matmul_kernel = counted
+    try:
+        for text in ["The capital of France is", "Write a haiku", "2 + 2 ="]:
+            ids = fast.tokenizer.encode(text)
+            assert len(ids) <= SKINNY_MAX_ROWS
+            shapes.clear()
+            ours = fast.engine.prompt_logits(ids)
+            layers = fast.engine.model_config.num_layers
+            assert len(shapes) == 4 * layers + 1  # qkv, o, gate_up, down per layer; LM head
+            reference = exact.engine.prompt_logits(ids)
+            linear = plain.engine.prompt_logits(ids)
+            assert ours.argmax() == reference.argmax()
+            assert (ours - reference).abs().max() <= max(1.0, 1.5 * (linear - reference).abs().max())
+        shapes.clear()
+        out = fast.generate({"prompt_token_ids": fast.tokenizer.encode("Hi")},
+                            SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+        assert len(out[0].outputs[0].token_ids) == 6
+        assert len(shapes) == 6 * (4 * layers + 1)  # the prompt's step and five decode steps
+    finally:
+        runner.matmul_kernel = op
+    with pytest.raises(ValueError, match="matmul_backend='kernel' needs"):
+        LLM(str(model_path), dtype="float32", matmul_backend="kernel", **settings)
+
+
 _LOAD = ("import logging\nlogging.basicConfig(level=logging.INFO)\n"
          "import torch\nfrom radixserve.kernels import decode_attention_op\n"
          "op = decode_attention_op()\nprint('op:', op)\n"
@@ -258,15 +356,15 @@ def test_concurrent_first_builds_both_load_and_publish_one_library(tmp_path):
         out, err = process.communicate(timeout=300)
         assert process.returncode == 0, err
         assert "op: radixserve.decode_attention" in out, (out, err)
-        built += "building the decode-attention kernel" in err
+        built += "building the C++ kernels" in err
     assert built >= 1
     kernels = tmp_path / "kernels"
-    assert len(list(kernels.glob("decode_attention-*.so"))) == 1
+    assert len(list(kernels.glob("kernels-*.so"))) == 1
     assert not list(kernels.glob("build-*"))
     third = _python(_LOAD, tmp_path)
     out, err = third.communicate(timeout=120)
     assert third.returncode == 0 and "op: radixserve.decode_attention" in out, err
-    assert "building the decode-attention kernel" not in err  # loaded, not rebuilt
+    assert "building the C++ kernels" not in err  # loaded, not rebuilt
 
 
 def test_without_a_compiler_the_engine_keeps_the_pytorch_path(tmp_path):
@@ -275,5 +373,5 @@ def test_without_a_compiler_the_engine_keeps_the_pytorch_path(tmp_path):
     out, err = process.communicate(timeout=120)
     assert process.returncode == 0, err
     assert "op: None" in out
-    assert "decode attention kernel unavailable" in err and "using the PyTorch path" in err
+    assert "C++ kernels unavailable" in err and "using the PyTorch path" in err
     assert not list((tmp_path / "kernels").glob("*.so"))
