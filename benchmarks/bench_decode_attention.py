@@ -16,12 +16,12 @@ import json
 import platform
 import random
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from timing import SamplingParams, best_ms
 
-from radixserve import LLM, SamplingParams
+from radixserve import LLM
 from radixserve.engine.request import Request
 from radixserve.engine.scheduler import SchedulerOutput
 
@@ -32,18 +32,6 @@ SHAPES = [
     ("32 unrelated chats of 600 tokens", 32, 32, 0, 600),
     ("batch 1, 2,000-token context", 1, 1, 2000, 30),
 ]
-
-
-def _best_ms(fn: Callable[[], object], repeat: int) -> float:
-    for _ in range(3):
-        fn()
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        for _ in range(repeat):
-            fn()
-        best = min(best, (time.perf_counter() - start) / repeat * 1e3)
-    return best
 
 
 def _requests(
@@ -87,7 +75,7 @@ def measure(llm: LLM, shape: tuple[str, int, int, int, int], repeat: int) -> dic
     batch, _ = runner.build_batch(plan)
     run = batch.kernel_decode
     assert run is not None
-    result["layer_kernel_ms"] = _best_ms(
+    result["layer_kernel_ms"] = best_ms(
         lambda: kernel(q, k_cache, v_cache, run.slots, run.starts, attention.scale,
                        run.max_level), repeat)
 
@@ -102,12 +90,12 @@ def measure(llm: LLM, shape: tuple[str, int, int, int, int], repeat: int) -> dic
                 attention._decode_attention(q[rows], kv[rows], kv[rows], group, k_cache,
                                             v_cache)
 
-        result["layer_torch_ms"] = _best_ms(torch_layer, repeat)
-        result["step_torch_ms"] = _best_ms(
+        result["layer_torch_ms"] = best_ms(torch_layer, repeat)
+        result["step_torch_ms"] = best_ms(
             lambda: model(runner.build_batch(plan)[0], pool.k, pool.v), max(1, repeat // 10))
     finally:
         runner.decode_kernel = kernel
-    result["step_kernel_ms"] = _best_ms(
+    result["step_kernel_ms"] = best_ms(
         lambda: model(runner.build_batch(plan)[0], pool.k, pool.v), max(1, repeat // 10))
     result["layer_speedup"] = result["layer_torch_ms"] / result["layer_kernel_ms"]
     result["step_speedup"] = result["step_torch_ms"] / result["step_kernel_ms"]

@@ -18,19 +18,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from timing import best_ms
 
 from radixserve import LLM
-
-
-def _best_ms(fn, repeat: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        for _ in range(repeat):
-            fn()
-        best = min(best, (time.perf_counter() - start) / repeat * 1e3)
-    return best
 
 
 def main() -> None:
@@ -52,16 +42,16 @@ def main() -> None:
     for m in args.rows:
         inputs = {k: torch.randn(m, k).bfloat16() for k in {lin.in_features for lin in linears}}
 
-        def onednn() -> None:
+        def onednn(inputs: dict = inputs) -> None:
             for lin in linears:
                 F.linear(inputs[lin.in_features], lin.weight, lin.bias)
 
-        def skinny() -> None:
+        def skinny(inputs: dict = inputs) -> None:
             for lin in linears:
                 kernel(inputs[lin.in_features], lin.weight, lin.bias)
 
         with torch.inference_mode():
-            a, b = _best_ms(onednn, args.repeat), _best_ms(skinny, args.repeat)
+            a, b = best_ms(onednn, args.repeat), best_ms(skinny, args.repeat)
         row = {"rows": m, "onednn_ms": a, "kernel_ms": b, "speedup": a / b,
                "onednn_gbs": weight_bytes / a / 1e6, "kernel_gbs": weight_bytes / b / 1e6}
         rows.append(row)

@@ -103,8 +103,14 @@ class LLMEngine:
                                        max_pinned_tokens=pinned)
         self.scheduler = Scheduler(config, self.pool.allocator, self.cache, clock)
         self.runner = ModelRunner(self.model, self.pool, self.device,
-                                  decode_kernel=self._decode_kernel(config.attention_backend),
-                                  matmul_kernel=self._matmul_kernel(config.matmul_backend))
+                                  decode_kernel=self._kernel(
+                                      "attention_backend", config.attention_backend,
+                                      (torch.float32, torch.bfloat16), decode_attention_op,
+                                      "a CPU device and float32 or bfloat16"),
+                                  matmul_kernel=self._kernel(
+                                      "matmul_backend", config.matmul_backend,
+                                      (torch.bfloat16,), skinny_matmul_op,
+                                      "a CPU with AVX512-BF16 and bfloat16"))
         self.groups: dict[str, list[Request]] = {}
         self.computed_tokens_total = 0  # every token run through the model
         self.step_count = 0
@@ -120,32 +126,20 @@ class LLMEngine:
             "kernel" if self.runner.matmul_kernel else "torch",
         )
 
-    def _decode_kernel(self, backend: str) -> Callable[..., torch.Tensor] | None:
-        """The C++ decode attention op when the backend asks for it and it applies here."""
+    def _kernel(
+        self, setting: str, backend: str, dtypes: tuple[torch.dtype, ...],
+        load: Callable[[], Callable[..., torch.Tensor] | None], needs: str,
+    ) -> Callable[..., torch.Tensor] | None:
+        """A C++ kernel's op when `backend` asks for it and it applies to this engine; with
+        backend "kernel", a clear error where it cannot."""
         if backend == "torch":
             return None
-        applies = self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16)
-        op = decode_attention_op() if applies else None
+        applies = self.device.type == "cpu" and self.dtype in dtypes
+        op = load() if applies else None
         if op is None and backend == "kernel":
-            raise ValueError(
-                "attention_backend='kernel' needs a CPU device, float32 or bfloat16, and a C++ "
-                "compiler to build the kernel" + ("" if applies else
-                f" (this engine runs {self.dtype} on {self.device})")
-            )
-        return op
-
-    def _matmul_kernel(self, backend: str) -> Callable[..., torch.Tensor] | None:
-        """The C++ small-batch matmul when the backend asks for it and it applies here."""
-        if backend == "torch":
-            return None
-        applies = self.device.type == "cpu" and self.dtype == torch.bfloat16
-        op = skinny_matmul_op() if applies else None
-        if op is None and backend == "kernel":
-            raise ValueError(
-                "matmul_backend='kernel' needs a CPU with AVX512-BF16, bfloat16, and a C++ "
-                "compiler to build the kernel" + ("" if applies else
-                f" (this engine runs {self.dtype} on {self.device})")
-            )
+            where = "" if applies else f" (this engine runs {self.dtype} on {self.device})"
+            raise ValueError(f"{setting}='kernel' needs {needs}, and a C++ compiler to build "
+                             f"the kernel{where}")
         return op
 
     # ----- requests -----

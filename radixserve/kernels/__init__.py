@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).with_name(name)
             for name in ("decode_attention.cpp", "skinny_matmul.cpp")]
+_HEADERS = [Path(__file__).with_name("vector.h")]
 
 
 def decode_attention_op() -> Callable[..., torch.Tensor] | None:
@@ -62,7 +63,7 @@ def _library() -> bool:
         # library links libgomp.so.1, which resolves to the copy torch already loaded.
         flags = ["-O3", "-fopenmp"]
         digest = hashlib.sha256(torch.__version__.encode() + " ".join(flags).encode())
-        for source in _SOURCES:
+        for source in _SOURCES + _HEADERS:
             digest.update(source.read_bytes())
         tag = digest.hexdigest()[:12]
         library = cache_home() / "kernels" / f"kernels-{tag}.so"

@@ -31,12 +31,17 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#define RS_X86 1
-#endif
+#include "vector.h"
 
 namespace {
+
+using radixserve::cpu_level;
+#ifdef RS_X86
+using radixserve::kReduceSlot;
+using radixserve::load_bh;
+using radixserve::as_bh;
+using radixserve::reduce16;
+#endif
 
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
@@ -75,8 +80,6 @@ void attend_portable(const float* q, const T* keys, const T* values, const int32
 }
 
 #ifdef RS_X86
-#define RS_AVX512 __attribute__((target("avx512f,avx512dq")))
-
 RS_AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 RS_AVX512 inline __m512 load16(const c10::BFloat16* p) {
   // bfloat16 is the top half of a float32: widen and shift.
@@ -166,33 +169,6 @@ RS_AVX512 void attend_avx512(const float* q, const T* keys, const T* values,
 // (reduce16) rather than one horizontal sum per key; V is read two keys at a time,
 // interleaved, against the two keys' probabilities (rounded to bfloat16, as a bfloat16 matmul
 // of probabilities and V would round them).
-#define RS_AVX512BF16 __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl,avx512bf16")))
-
-// out[j] = sum of the 16 lanes of v[kReduceSlot[j]]: four rounds of pairwise shuffles and adds.
-// The shuffles leave the sums in this (self-inverse) order, so callers store key j's
-// accumulator at v[kReduceSlot[j]] and read the 16 scores in key order.
-constexpr int kReduceSlot[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
-
-RS_AVX512 inline __m512 reduce16(const __m512* v) {
-  __m512 w[8], x[4], y[2];
-  for (int i = 0; i < 8; ++i)
-    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[i], v[i + 8], 0x44),
-                         _mm512_shuffle_f32x4(v[i], v[i + 8], 0xEE));
-  for (int i = 0; i < 4; ++i)
-    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[i], w[i + 4], 0x88),
-                         _mm512_shuffle_f32x4(w[i], w[i + 4], 0xDD));
-  for (int i = 0; i < 2; ++i)
-    y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[i], x[i + 2], 0x44),
-                         _mm512_shuffle_ps(x[i], x[i + 2], 0xEE));
-  return _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xDD));
-}
-
-RS_AVX512BF16 inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh&>(x); }
-
-RS_AVX512BF16 inline __m512bh load_bh(const c10::BFloat16* p) {
-  return as_bh(_mm512_loadu_si512(p));
-}
-
 // Probabilities x values for NG query heads at once (their accumulators stay in registers
 // while each pair of V rows is interleaved once). Pair lane i of chunk c holds dims
 // c*32 + 8*(i/4) + i%4 (from unpacklo) or that + 4 (from unpackhi).
@@ -292,20 +268,9 @@ RS_AVX512BF16 void attend_bf16(const c10::BFloat16* q, const c10::BFloat16* keys
 }
 #endif
 
-// How far the vector code may go: 0 portable C++, 1 AVX-512, 2 AVX-512 with BF16 (bfloat16
-// pools only). The kernel takes the lesser of what the caller allows and what the CPU has, so
-// tests can run every path on one machine.
-int cpu_level() {
-#ifdef RS_X86
-  if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512dq")) return 0;
-  const bool bf16 = __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-                    __builtin_cpu_supports("avx512bf16");
-  return bf16 ? 2 : 1;
-#else
-  return 0;
-#endif
-}
-
+// How far the vector code may go (radixserve::cpu_level): 0 portable C++, 1 AVX-512, 2
+// AVX-512 with BF16 (bfloat16 pools only). The kernel takes the lesser of what the caller
+// allows and what the CPU has, so tests can run every path on one machine.
 template <typename T>
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
          const at::Tensor& slots, const at::Tensor& starts, float scale, int level,

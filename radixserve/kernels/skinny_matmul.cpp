@@ -18,10 +18,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#define RS_X86 1
-#endif
+#include "vector.h"
 
 namespace {
 
@@ -29,42 +26,22 @@ constexpr int64_t kMaxRows = 16;
 constexpr int64_t kPrefetchRows = 16;
 
 #ifdef RS_X86
-#define RS_BF16 __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl,avx512bf16")))
-
-RS_BF16 inline __m512bh bh(const c10::BFloat16* p) {
-  __m512i v = _mm512_loadu_si512(p);
-  return reinterpret_cast<__m512bh&>(v);
-}
-
-// Sums of 16 vectors, lane j = sum of v[kSlot[j]] (see reduce16 in decode_attention.cpp).
-constexpr int kSlot[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
-
-RS_BF16 inline __m512 sum16(const __m512* v) {
-  __m512 w[8], x[4], y[2];
-  for (int i = 0; i < 8; ++i)
-    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[i], v[i + 8], 0x44),
-                         _mm512_shuffle_f32x4(v[i], v[i + 8], 0xEE));
-  for (int i = 0; i < 4; ++i)
-    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[i], w[i + 4], 0x88),
-                         _mm512_shuffle_f32x4(w[i], w[i + 4], 0xDD));
-  for (int i = 0; i < 2; ++i)
-    y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[i], x[i + 2], 0x44),
-                         _mm512_shuffle_ps(x[i], x[i + 2], 0xEE));
-  return _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xDD));
-}
+using radixserve::kReduceSlot;
+using radixserve::load_bh;
+using radixserve::reduce16;
 
 // Output rows [n0, n0 + NR) for rows [m0, m0 + MR) of x: NR * MR <= 16 accumulators of 16
 // partial sums, reduced together. Each weight row chunk is loaded once for all MR rows of x,
 // so the first pass over a block streams the weights from memory while it computes.
 template <int NR, int MR>
-RS_BF16 inline void tile(const c10::BFloat16* x, const c10::BFloat16* w, int64_t k,
+RS_AVX512BF16 inline void tile(const c10::BFloat16* x, const c10::BFloat16* w, int64_t k,
                          int64_t n0, int64_t m0, float* out, int64_t n) {
   static_assert(NR * MR <= 16, "16 accumulators");
   __m512 acc[16];
   for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t c = 0; c < k; c += 32) {
     __m512bh xr[MR];
-    for (int r = 0; r < MR; ++r) xr[r] = bh(x + (m0 + r) * k + c);
+    for (int r = 0; r < MR; ++r) xr[r] = load_bh(x + (m0 + r) * k + c);
     for (int j = 0; j < NR; ++j) {
       const c10::BFloat16* row = w + (n0 + j) * k + c;
       // The line kPrefetchRows rows ahead: the hardware prefetcher alone falls behind when
@@ -72,22 +49,22 @@ RS_BF16 inline void tile(const c10::BFloat16* x, const c10::BFloat16* w, int64_t
       // row of x leaves each line quickly enough for the hardware alone (measured).
       if constexpr (MR > 1)
         _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchRows * k), _MM_HINT_T0);
-      const __m512bh wj = bh(row);
+      const __m512bh wj = load_bh(row);
       for (int r = 0; r < MR; ++r)
         acc[r * NR + j] = _mm512_dpbf16_ps(acc[r * NR + j], wj, xr[r]);
     }
   }
   __m512 ordered[16];
-  for (int i = 0; i < 16; ++i) ordered[kSlot[i]] = acc[i];
+  for (int i = 0; i < 16; ++i) ordered[kReduceSlot[i]] = acc[i];
   alignas(64) float sums[16];
-  _mm512_store_ps(sums, sum16(ordered));
+  _mm512_store_ps(sums, reduce16(ordered));
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < NR; ++j) out[(m0 + r) * n + n0 + j] = sums[r * NR + j];
 }
 
 // Output rows [n0, n0 + 16) for every row of x: the widest tiles first; later passes find
 // the block's weights (16 rows, 18 KB at K = 576) in L1.
-RS_BF16 void rows_block(const c10::BFloat16* x, const c10::BFloat16* w, int64_t m_rows,
+RS_AVX512BF16 void rows_block(const c10::BFloat16* x, const c10::BFloat16* w, int64_t m_rows,
                         int64_t k, int64_t n, int64_t n0, float* out) {
   int64_t m = 0;
   for (; m + 8 <= m_rows; m += 8)
@@ -100,19 +77,9 @@ RS_BF16 void rows_block(const c10::BFloat16* x, const c10::BFloat16* w, int64_t 
 }
 #endif
 
-bool has_bf16_dot() {
-#ifdef RS_X86
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
-         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-         __builtin_cpu_supports("avx512bf16");
-#else
-  return false;
-#endif
-}
-
 at::Tensor skinny_matmul(const at::Tensor& x, const at::Tensor& weight,
                          const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(has_bf16_dot(), "skinny_matmul needs AVX512-BF16");
+  TORCH_CHECK(radixserve::cpu_level() >= 2, "skinny_matmul needs AVX512-BF16");
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16,
               "bfloat16 x and weight");
