@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 
 import torch
-from timing import SamplingParams, best_ms
+from timing import best_ms
 
-from radixserve import LLM
+from radixserve import LLM, SamplingParams
 from radixserve.engine.request import Request
 from radixserve.engine.scheduler import SchedulerOutput
 
