@@ -11,7 +11,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # kernel: our C++ decode attention reading the paged pool in place (CPU, float32/bfloat16);
 # torch: PyTorch ops over gathered K/V (any device); auto: kernel where it applies and builds.
 ATTENTION_BACKENDS = ("auto", "kernel", "torch")
-# kernel: our C++ bfloat16 matmul for steps of at most 64 tokens (CPU with AVX512-BF16);
+# kernel: our C++ bfloat16 matmul for steps of at most 48 tokens (CPU with AVX512-BF16);
 # torch: nn.Linear (oneDNN on CPU); auto: kernel where it applies and builds.
 MATMUL_BACKENDS = ("auto", "kernel", "torch")
 

@@ -51,7 +51,7 @@ def skinny_matmul_op() -> Callable[..., torch.Tensor] | None:
     return torch.ops.radixserve.skinny_matmul
 
 
-SKINNY_MAX_ROWS = 64  # measured faster than oneDNN up to here (bench_skinny_matmul)
+SKINNY_MAX_ROWS = 48  # measured faster than oneDNN up to here, even at 64 (bench_skinny_matmul)
 
 
 @functools.cache

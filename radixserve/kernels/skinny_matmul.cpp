@@ -7,8 +7,8 @@
 // float32 sums), so a step costs about one read of the weights.
 //
 // x [M, K] and W [N, K] are bfloat16, K a multiple of 32, M at most kMaxRows: measured faster
-// than oneDNN up to 64 rows (2.4x at 1-8 rows, 1.2-1.4x at 32-64); above that the caller uses
-// oneDNN, where the product is compute-bound and oneDNN is good at it.
+// than oneDNN up to 48 rows (1.5-1.7x at 1-24 rows, 1.2-1.4x at 32-48; even at 64); above that
+// the caller uses oneDNN, where the product is compute-bound and oneDNN is good at it.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -23,7 +23,7 @@
 
 namespace {
 
-constexpr int64_t kMaxRows = 64;
+constexpr int64_t kMaxRows = 48;
 constexpr int64_t kPrefetchRows = 16;
 
 #ifdef RS_X86

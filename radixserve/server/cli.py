@@ -66,7 +66,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                             "CPU, float32/bfloat16), torch (PyTorch ops, any device), auto "
                             "(kernel where it applies and compiles)")
     model.add_argument("--matmul-backend", choices=MATMUL_BACKENDS, default="auto",
-                       help="projections of steps with at most 64 tokens (decode): kernel (C++, "
+                       help="projections of steps with at most 48 tokens (decode): kernel (C++, "
                             "bfloat16 on CPUs with AVX512-BF16), torch (nn.Linear), auto")
     model.add_argument("--num-threads", type=int, default=None,
                        help="torch CPU threads; unset: torch's default")
