@@ -87,13 +87,14 @@ class ModelRunner:
         logit_rows: list[int] = []
         wants_logits: list[Request] = []
         groups: list[DecodeGroup] = []
-        kernel = None
         if self.decode_kernel is not None and plan.decodes:
             kernel, ordered = self._kernel_decode(plan.decodes, ids, positions, write_slots)
             logit_rows.extend(range(len(ids)))
             wants_logits.extend(ordered)
-        for members, shared, contiguous in self._group_decodes(plan.decodes if kernel is None
-                                                               else []):
+            grouped: list[Request] = []
+        else:  # the PyTorch path: decode groups over gathered K/V
+            kernel, grouped = None, plan.decodes
+        for members, shared, contiguous in self._group_decodes(grouped):
             start = len(ids)
             lengths = []
             for request in members:
