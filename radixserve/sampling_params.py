@@ -1,8 +1,22 @@
-"""How to sample one request's output: the knobs users know from vLLM and the OpenAI API."""
+"""How to sample one request's output: the knobs users know from vLLM and the OpenAI API.
+
+`SamplingParams.validate` is the one range check of these knobs; the servers translate its
+`SamplingParamError` into their APIs' own parameter names and error shapes.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+
+class SamplingParamError(ValueError):
+    """A sampling setting out of range: `field` names it, `problem` says what is wrong
+    ("must be >= 0, got -1"), so a server can restate it under its API's name for the field."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"{field} {problem}")
+        self.field = field
+        self.problem = problem
 
 
 @dataclass
@@ -33,26 +47,31 @@ class SamplingParams:
             self.top_k = 0
         self.validate()
 
-    def validate(self) -> None:
-        """Raises ValueError naming the first out-of-range setting."""
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raises SamplingParamError naming the first out-of-range setting; with `vocab_size`,
+        stop_token_ids must also be token ids of that vocabulary."""
         checks = [
-            (isinstance(self.max_tokens, int) and self.max_tokens >= 0,
-             f"max_tokens must be an integer >= 0, got {self.max_tokens!r}"),
-            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
-            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
-            (isinstance(self.top_k, int) and self.top_k >= 0,
-             f"top_k must be an integer >= 0 (or -1 for off), got {self.top_k!r}"),
-            (isinstance(self.n, int) and 1 <= self.n <= 128, f"n must be in [1, 128], got {self.n!r}"),
-            (self.logprobs is None or 0 <= self.logprobs <= 20,
-             f"logprobs must be in [0, 20], got {self.logprobs}"),
-            (all(isinstance(s, str) and s for s in self.stop),  # type: ignore[union-attr]
-             "stop must be non-empty strings"),
-            (0 <= self.min_tokens <= max(self.max_tokens, 0),
-             f"min_tokens must be in [0, max_tokens], got {self.min_tokens}"),
+            ("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens >= 0,
+             f"must be an integer >= 0, got {self.max_tokens!r}"),
+            ("temperature", self.temperature >= 0, f"must be >= 0, got {self.temperature}"),
+            ("top_p", 0 < self.top_p <= 1, f"must be in (0, 1], got {self.top_p}"),
+            ("top_k", isinstance(self.top_k, int) and self.top_k >= 0,
+             f"must be an integer >= 0 (or -1 for off), got {self.top_k!r}"),
+            ("n", isinstance(self.n, int) and 1 <= self.n <= 128,
+             f"must be in [1, 128], got {self.n!r}"),
+            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20,
+             f"must be in [0, 20], got {self.logprobs}"),
+            ("stop", all(isinstance(s, str) and s for s in self.stop),  # type: ignore[union-attr]
+             "must be non-empty strings"),
+            ("stop_token_ids", vocab_size is None
+             or all(0 <= t < vocab_size for t in self.stop_token_ids),
+             f"must be token ids in [0, {vocab_size})"),
+            ("min_tokens", 0 <= self.min_tokens <= max(self.max_tokens, 0),
+             f"must be in [0, max_tokens ({self.max_tokens})], got {self.min_tokens}"),
         ]
-        for ok, message in checks:
+        for name, ok, problem in checks:
             if not ok:
-                raise ValueError(message)
+                raise SamplingParamError(name, problem)
 
     @property
     def greedy(self) -> bool:

@@ -16,10 +16,10 @@ import httpx
 import pytest
 
 from radixserve.bench.textgen import WordBank
-from radixserve.caching import chat_prompt, render_prompt, render_request
 from radixserve.model.loader import load_tokenizer
 from radixserve.model.tokenizer import ChatTokenizer
 from radixserve.server.launcher import ServerProcess, read_metrics, start_server
+from radixserve.vendors import chat_prompt, render_prompt, render_request
 
 MODEL = "claude-sonnet-4-6"  # an alias of the served model (1,024-token profile)
 KEY = "sk-ant-test-key"

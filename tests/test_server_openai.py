@@ -17,7 +17,7 @@ from radixserve.bench.textgen import WordBank
 from radixserve.model.loader import load_tokenizer
 from radixserve.model.tokenizer import ChatTokenizer
 from radixserve.server.launcher import ServerProcess, read_metrics, start_server, wait_idle
-from radixserve.server.protocol import IGNORED_FIELDS
+from radixserve.server.openai_protocol import IGNORED_FIELDS
 
 MODEL = "SmolLM2-135M-Instruct"
 MAX_REQUEST_BYTES = 1_000_000

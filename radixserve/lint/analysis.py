@@ -7,8 +7,6 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, replace
 
-from radixserve.caching.prices import PriceTable, default_prices
-from radixserve.caching.profiles import ModelProfile, Vendor, get_profile, profile_for_model
 from radixserve.lint.busters import divergence_instances
 from radixserve.lint.corpus import Corpus, Encoder, LintRequest, build_corpus
 from radixserve.lint.findings import Finding, Instance, group_findings
@@ -17,6 +15,8 @@ from radixserve.lint.repairs import LOG_WIDE, Delay, Repair, UnifyTools, repair_
 from radixserve.lint.rules import breakpoint_instances, fan_out_instances, setting_instances
 from radixserve.lint.simulate import SimulationResult, corpus_requests, simulate
 from radixserve.lint.structure import PrefixStructure, analyse_structure
+from radixserve.vendors.prices import PriceTable, default_prices
+from radixserve.vendors.profiles import ModelProfile, Vendor, get_profile, profile_for_model
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,6 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import replace
 
-from radixserve.caching.breakpoints import check_breakpoints
-from radixserve.caching.render import canonical_json
-from radixserve.caching.template import common_prefix_length
 from radixserve.lint.corpus import Corpus, LintRequest
 from radixserve.lint.findings import Instance
 from radixserve.lint.patterns import volatile_spans
@@ -29,6 +26,9 @@ from radixserve.lint.repairs import (
     UnifyTools,
 )
 from radixserve.lint.structure import Divergence, PrefixStructure
+from radixserve.vendors.breakpoints import check_breakpoints
+from radixserve.vendors.render import canonical_json
+from radixserve.vendors.template import common_prefix_length
 
 _WORD_CHARS = frozenset("-:_./+")
 # Smaller losses are noise: two different questions often share a final "?".

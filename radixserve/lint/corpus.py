@@ -10,9 +10,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from radixserve.caching.layout import prefix_hashes
-from radixserve.caching.render import BodyError, RenderedRequest, render_request
 from radixserve.lint.logs import LogContents, LoggedRequest, MalformedLine
+from radixserve.vendors.layout import prefix_hashes
+from radixserve.vendors.render import BodyError, RenderedRequest, render_request
 
 # Lines without a timestamp are placed this long after the previous request.
 UNTIMED_GAP_S = 1.0

@@ -10,13 +10,13 @@ import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from radixserve.caching.breakpoints import check_breakpoints
-from radixserve.caching.layout import PromptLayout, build_layout
-from radixserve.caching.prices import Cost, PriceTable, break_even_reuses, request_cost
-from radixserve.caching.profiles import ModelProfile, Vendor
-from radixserve.caching.usage import CacheUsage
-from radixserve.caching.vendor_rules import VendorCache
 from radixserve.lint.corpus import Corpus
+from radixserve.vendors.breakpoints import check_breakpoints
+from radixserve.vendors.layout import PromptLayout, build_layout
+from radixserve.vendors.prices import Cost, PriceTable, break_even_reuses, request_cost
+from radixserve.vendors.profiles import ModelProfile, Vendor
+from radixserve.vendors.usage import CacheUsage
+from radixserve.vendors.vendor_rules import VendorCache
 
 
 @dataclass(frozen=True)

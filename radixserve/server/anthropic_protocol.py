@@ -1,5 +1,5 @@
 """Anthropic Messages API shapes: request models (types checked here, cache blocks and
-breakpoints by `radixserve.caching`), the response and usage bodies, and the error shape
+breakpoints by `radixserve.vendors`), the response and usage bodies, and the error shape
 `{"type": "error", "error": {"type", "message"}}` with a `request-id` header.
 """
 
@@ -9,13 +9,13 @@ import uuid
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-from radixserve.caching.usage import CacheUsage
 from radixserve.outputs import CompletionOutput
 from radixserve.server.errors import APIError
+from radixserve.server.transport import StrictModel
+from radixserve.vendors.usage import CacheUsage
 
-_STRICT = ConfigDict(strict=True, extra="allow")
 # Block types a text model can read; image and document sources cannot be rendered as text.
 TEXT_BLOCK_TYPES = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking")
 
@@ -36,22 +36,19 @@ _ERROR_TYPES = {
 }
 
 
-class CacheControlParam(BaseModel):
-    model_config = _STRICT
+class CacheControlParam(StrictModel):
     type: str
     ttl: str | None = None
 
 
-class MessageParam(BaseModel):
-    model_config = _STRICT
+class MessageParam(StrictModel):
     role: Literal["user", "assistant"]
     content: str | list[dict[str, Any]]
 
 
-class CountTokensRequest(BaseModel):
+class CountTokensRequest(StrictModel):
     """POST /v1/messages/count_tokens: a Messages request without the generation fields."""
 
-    model_config = _STRICT
     model: str
     messages: list[MessageParam]
     system: str | list[dict[str, Any]] | None = None
@@ -73,6 +70,15 @@ class MessagesRequest(CountTokensRequest):
     metadata: dict[str, Any] | None = None
     stream: bool | None = None
     service_tier: str | None = None
+
+    def sampling_options(self) -> dict[str, Any]:
+        """SamplingParams arguments for the fields set (`validation.SamplingFields`)."""
+        options = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+                   "stop": self.stop_sequences}
+        return {name: value for name, value in options.items() if value is not None}
+
+    def field_name(self, option: str) -> str:
+        return "stop_sequences" if option == "stop" else option
 
 
 def new_request_id() -> str:

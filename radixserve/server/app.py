@@ -19,14 +19,14 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
 from radixserve.engine.async_engine import AsyncEngine, EngineDeadError
-from radixserve.server.anthropic_accounting import CacheLedger
+from radixserve.server.accounting import CacheLedger
 from radixserve.server.anthropic_protocol import CountTokensRequest, MessagesRequest
 from radixserve.server.anthropic_routes import install_anthropic_api
 from radixserve.server.context import ServerContext, context_of
 from radixserve.server.errors import install_error_handlers
 from radixserve.server.metrics import EngineSnapshot, ServerMetrics, take_snapshot
+from radixserve.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from radixserve.server.openai_routes import build_openai_router
-from radixserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from radixserve.server.serving import EngineService, Lifecycle
 from radixserve.server.settings import ServerSettings
 

@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Hashable
 
 from fastapi import Request
 
 from radixserve.server.errors import APIError
 from radixserve.server.settings import ServerSettings
+
+# A request's prefix-cache namespace: None (shared), the client's cache_salt, or with isolated
+# tenants ("tenant", hash of its API key, cache_salt).
+CacheNamespace = str | tuple[str, str, str | None] | None
 
 
 def presented_key(request: Request) -> str | None:
@@ -38,7 +41,7 @@ def authenticate(request: Request, settings: ServerSettings) -> str | None:
     return key
 
 
-def cache_namespace(settings: ServerSettings, api_key: str | None, cache_salt: str | None) -> Hashable:
+def cache_namespace(settings: ServerSettings, api_key: str | None, cache_salt: str | None) -> CacheNamespace:
     """The prefix-cache namespace of a request.
 
     With isolated tenants the key decides it whatever the client sends (its cache_salt only

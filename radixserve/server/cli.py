@@ -7,12 +7,14 @@ seconds to finish and are then aborted, the engine stops, and the process exits 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
 import sys
 import time
 from types import FrameType
+from typing import TYPE_CHECKING, TypeVar
 
 from radixserve.config import (
     ATTENTION_BACKENDS,
@@ -24,9 +26,16 @@ from radixserve.config import (
 )
 from radixserve.server.settings import CACHE_ACCOUNTING_MODES, DEFAULT_MODEL_NAME, ServerSettings
 
+if TYPE_CHECKING:  # imported when serving only, so that `radixserve --help` stays fast
+    from fastapi import FastAPI
+
+    from radixserve.engine.async_engine import AsyncEngine
+    from radixserve.engine.engine import LLMEngine
+
 logger = logging.getLogger("radixserve.server")
 
 API_KEY_ENV = "RADIXSERVE_API_KEY"
+SettingsT = TypeVar("SettingsT")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
@@ -48,7 +57,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                     "GET /health, GET /metrics (Prometheus).",
         formatter_class=_HelpFormatter,
     )
-    model = p.add_argument_group("model")
+    _model_flags(p.add_argument_group("model"))
+    _cache_flags(p.add_argument_group("KV cache and scheduling"))
+    http = p.add_argument_group("HTTP")
+    _http_flags(http)
+    _accounting_flags(p.add_argument_group("prompt-cache accounting and cost"))
+    http.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="log verbosity")
+    http.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
+                      help="log one line per HTTP request")
+    p.set_defaults(func=serve)
+
+
+def _model_flags(model: argparse._ArgumentGroup) -> None:
     model.add_argument("--model", default=None,
                        help="an HF model directory or a .gguf file; unset: the default model "
                             "(SmolLM2-135M-Instruct, fetched on first use)")
@@ -72,7 +92,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                        help="torch CPU threads; unset: torch's default")
     model.add_argument("--seed", type=int, default=0, help="engine seed")
 
-    cache = p.add_argument_group("KV cache and scheduling")
+
+def _cache_flags(cache: argparse._ArgumentGroup) -> None:
     cache.add_argument("--prefix-cache", choices=PREFIX_CACHE_MODES, default="radix",
                        help="radix: token-granular radix tree; hash: vLLM-style block hashes; "
                             "off: no reuse")
@@ -94,7 +115,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     cache.add_argument("--debug-invariants", action="store_true",
                        help="check KV slot accounting whenever the engine is idle (slow; tests)")
 
-    http = p.add_argument_group("HTTP")
+
+def _http_flags(http: argparse._ArgumentGroup) -> None:
     http.add_argument("--host", default="127.0.0.1", help="address to listen on")
     http.add_argument("--port", type=int, default=8000, help="port to listen on")
     http.add_argument("--api-key", action="append", default=None, metavar="KEY",
@@ -112,7 +134,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     http.add_argument("--shutdown-timeout", type=float, default=30.0,
                       help="seconds in-flight requests get to finish after SIGTERM before "
                            "they are aborted")
-    caching = p.add_argument_group("prompt-cache accounting and cost")
+
+
+def _accounting_flags(caching: argparse._ArgumentGroup) -> None:
     caching.add_argument("--cache-accounting", choices=CACHE_ACCOUNTING_MODES, default="engine",
                          help="usage fields: engine = what the prefix cache really reused and "
                               "wrote; vendor = the vendor's documented rules (Anthropic's on "
@@ -127,56 +151,68 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                          help="TESTS ONLY: mount POST /debug/clock/advance, which moves the "
                               "engine's clock forward so cache TTLs expire without waiting")
 
-    http.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="log verbosity")
-    http.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
-                      help="log one line per HTTP request")
-    p.set_defaults(func=serve)
+
+def _from_flags(cls: type[SettingsT], args: argparse.Namespace, **values: object) -> SettingsT:
+    """`cls` with each field set from the flag of the same name, if any; `values` set the
+    fields whose flags are named otherwise (or need work), and win over the flags."""
+    named = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+             if f.init and hasattr(args, f.name)}
+    return cls(**{**named, **values})
 
 
 def _settings(args: argparse.Namespace) -> ServerSettings:
-    names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
     keys = list(args.api_key or [])
     if os.environ.get(API_KEY_ENV):
         keys.append(os.environ[API_KEY_ENV])
-    return ServerSettings(
-        served_model_names=tuple(names),
-        api_keys=tuple(keys),
-        isolate_tenants=args.isolate_tenants,
-        max_waiting=args.max_waiting,
-        max_request_bytes=args.max_request_bytes,
-        shutdown_timeout_s=args.shutdown_timeout,
-        cache_accounting=args.cache_accounting,
-        min_cacheable_tokens=args.min_cacheable_tokens,
-        prices_path=args.prices,
-        enable_clock_control=args.enable_clock_control,
-    )
+    return _from_flags(
+        ServerSettings, args,
+        served_model_names=tuple(args.served_model_name or [args.model or DEFAULT_MODEL_NAME]),
+        api_keys=tuple(keys), shutdown_timeout_s=args.shutdown_timeout, prices_path=args.prices)
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=args.model, dtype=args.dtype, device=args.device,
-        kv_cache_tokens=args.kv_cache_tokens, kv_cache_memory_gb=args.kv_cache_memory_gb,
-        page_size=args.page_size, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        prefix_cache=args.prefix_cache, schedule_policy=args.schedule_policy,
-        attention_backend=args.attention_backend, matmul_backend=args.matmul_backend,
-        num_threads=args.num_threads, seed=args.seed, show_progress=sys.stderr.isatty(),
-        debug_invariants=args.debug_invariants, max_pinned_fraction=args.max_pinned_fraction,
-    )
+    return _from_flags(EngineConfig, args, show_progress=sys.stderr.isatty())
+
+
+class _CannotStart(Exception):
+    """Startup failed before serving; `status` is the exit status."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Heavy imports here, so `radixserve --help` stays fast.
-    import uvicorn
-
-    from radixserve.caching import load_prices
     from radixserve.engine.async_engine import AsyncEngine
+    from radixserve.server.app import create_app
+
+    try:
+        settings, engine = _load(args)
+    except _CannotStart as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.status
+    aengine = AsyncEngine(engine)
+    app = create_app(aengine, settings)
+    config = engine.config
+    logger.info(
+        "serving %s as %s | KV cache %d tokens (page size %d, %s) | prefix cache %s | "
+        "http://%s:%d", engine.model_path, ", ".join(settings.served_model_names),
+        engine.pool.num_slots, config.page_size, str(engine.dtype).removeprefix("torch."),
+        config.prefix_cache, args.host, args.port)
+    started = _run(app, aengine, args, settings)
+    logger.info("stopped")
+    return 0 if started else 1
+
+
+def _load(args: argparse.Namespace) -> tuple[ServerSettings, LLMEngine]:
+    """The settings and the loaded engine; _CannotStart (2: bad flags or prices, 1: no model)."""
     from radixserve.engine.engine import LLMEngine
     from radixserve.model.default_model import ModelFetchError
-    from radixserve.server.anthropic_accounting import OffsetClock
-    from radixserve.server.app import create_app
+    from radixserve.server.accounting import OffsetClock
+    from radixserve.vendors import load_prices
 
     try:
         settings = _settings(args)
@@ -184,17 +220,21 @@ def serve(args: argparse.Namespace) -> int:
         if settings.prices_path:
             load_prices(settings.prices_path)  # a bad file fails here, before the model loads
     except (ValueError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        raise _CannotStart(str(exc), 2) from exc
     try:
         # Clock control swaps the engine's clock for one a test can move forward.
-        engine = LLMEngine(config, clock=OffsetClock() if settings.enable_clock_control
-                           else time.monotonic)
+        return settings, LLMEngine(config, clock=OffsetClock() if settings.enable_clock_control
+                                   else time.monotonic)
     except (ModelFetchError, FileNotFoundError, ValueError) as exc:
-        print(f"error: cannot load the model: {exc}", file=sys.stderr)
-        return 1
-    aengine = AsyncEngine(engine)
-    app = create_app(aengine, settings)
+        raise _CannotStart(f"cannot load the model: {exc}", 1) from exc
+
+
+def _run(app: FastAPI, aengine: AsyncEngine, args: argparse.Namespace,
+         settings: ServerSettings) -> bool:
+    """Serves until a signal has drained the app, then stops the engine; whether uvicorn
+    started at all."""
+    import uvicorn
+
     lifecycle = app.state.radixserve.lifecycle
 
     class DrainingServer(uvicorn.Server):
@@ -211,11 +251,6 @@ def serve(args: argparse.Namespace) -> int:
         # A backstop only: the drain aborts what is left at shutdown_timeout itself.
         timeout_graceful_shutdown=int(settings.shutdown_timeout_s) + 5,
     ))
-    logger.info(
-        "serving %s as %s | KV cache %d tokens (page size %d, %s) | prefix cache %s | "
-        "http://%s:%d", engine.model_path, ", ".join(settings.served_model_names),
-        engine.pool.num_slots, config.page_size, str(engine.dtype).removeprefix("torch."),
-        config.prefix_cache, args.host, args.port)
     # uvicorn re-raises the signal it stopped on once it is done; with this no-op handler in
     # place that ends in a normal return (exit 0), not death by the signal.
     previous = {sig: signal.signal(sig, _after_shutdown) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -225,8 +260,7 @@ def serve(args: argparse.Namespace) -> int:
         aengine.shutdown()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    logger.info("stopped")
-    return 0 if server.started else 1
+    return bool(server.started)
 
 
 def _after_shutdown(sig: int, frame: FrameType | None) -> None:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from fastapi import Request
 
 from radixserve.engine.async_engine import AsyncEngine
+from radixserve.engine.engine import LLMEngine
 from radixserve.model.tokenizer import ChatTokenizer
 from radixserve.server.errors import model_not_found
 from radixserve.server.metrics import ServerMetrics
@@ -27,20 +28,26 @@ class ServerContext:
     _token_text: dict[int, str] = field(default_factory=dict)
 
     @property
+    def engine(self) -> LLMEngine:
+        """The engine itself, for what is fixed once it is built (limits, tokenizer, checks);
+        everything that changes goes through `service` and the engine thread."""
+        return self.aengine.engine
+
+    @property
     def tokenizer(self) -> ChatTokenizer:
-        return self.aengine.engine.tokenizer
+        return self.engine.tokenizer
 
     @property
     def max_model_len(self) -> int:
-        return self.aengine.engine.max_model_len
+        return self.engine.max_model_len
 
     @functools.cached_property
     def kv_capacity(self) -> int:
-        return self.aengine.engine.pool.num_slots
+        return self.engine.pool.num_slots
 
     @property
     def vocab_size(self) -> int:
-        return self.aengine.engine.model_config.vocab_size
+        return self.engine.model_config.vocab_size
 
     def check_model(self, name: str | None) -> str:
         """The served name a request addresses; 404 for any other."""

@@ -15,8 +15,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from radixserve.cache.base import CacheStats
-from radixserve.caching.usage import CacheUsage
 from radixserve.engine.engine import LLMEngine, PoolStats
+from radixserve.vendors.usage import CacheUsage
 
 PREFIX = "radixserve:"
 

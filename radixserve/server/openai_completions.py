@@ -1,44 +1,35 @@
-"""POST /v1/completions: a prompt as text, a list of texts, token ids or lists of them."""
+"""POST /v1/completions: a prompt as text, a list of texts, token ids or lists of them; one job
+per prompt, with `n` choices each, numbered prompt by prompt."""
 
 from __future__ import annotations
 
 import asyncio
-import time
-import uuid
-from collections.abc import AsyncIterator
-from contextlib import aclosing
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
-from radixserve.outputs import RequestOutput
-from radixserve.server.auth import cache_namespace
-from radixserve.server.context import ServerContext, context_of
-from radixserve.server.errors import APIError, bad_request
-from radixserve.server.openai_common import (
-    StreamCursor,
-    check_sample,
-    collect,
-    error_event,
-    event_stream,
-    resolve_max_tokens,
-    sampling_params,
-    stream_flags,
-)
-from radixserve.server.protocol import (
-    CompletionRequest,
-    completion_logprobs,
-    finish_reason,
-    usage_body,
-)
+from radixserve.outputs import CompletionOutput
+from radixserve.server.auth import CacheNamespace, cache_namespace
+from radixserve.server.context import ServerContext
+from radixserve.server.errors import bad_request
+from radixserve.server.exchange import Delta, handle
+from radixserve.server.openai_exchange import OpenAIExchange, stream_flags
+from radixserve.server.openai_protocol import CompletionRequest, completion_logprobs, finish_reason
 from radixserve.server.serving import Job
-from radixserve.server.transport import SSE_DONE, parse_body, read_body, sse, until_disconnected
+from radixserve.server.transport import parse_body
+from radixserve.server.validation import checked_sampling_params
 
 MAX_CHOICES = 256  # prompts x n in one request
 
+Prompt = str | list[int]
 
-def _prompt_list(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+
+async def create_completion(request: Request) -> Response:
+    return await handle(request, prepare_completion)
+
+
+def _prompt_list(prompt: str | list[str] | list[int] | list[list[int]]) -> list[Prompt]:
     if isinstance(prompt, str):
         return [prompt]
     if not prompt:
@@ -48,132 +39,73 @@ def _prompt_list(prompt: str | list[str] | list[int] | list[list[int]]) -> list[
     return list(prompt)  # type: ignore[arg-type]
 
 
-def _encode_prompts(ctx: ServerContext, prompts: list[str | list[int]]) -> list[list[int]]:
-    encoded = []
+def _jobs(ctx: ServerContext, body: CompletionRequest, prompts: list[Prompt],
+          namespace: CacheNamespace) -> list[Job]:
+    """One validated job per prompt (tokenizing the texts: run off the event loop)."""
+    jobs = []
     for i, prompt in enumerate(prompts):
         param = "prompt" if len(prompts) == 1 else f"prompt.{i}"
         ids = ctx.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-        if not ids:
-            raise bad_request("prompt must not be empty.", param)
-        if any(not 0 <= t < ctx.vocab_size for t in ids):
-            raise bad_request(f"prompt token ids must be in [0, {ctx.vocab_size}).", param)
-        encoded.append(ids)
-    return encoded
+        jobs.append(Job(ids, checked_sampling_params(ctx, body, ids, body.max_tokens, param),
+                        namespace))
+    return jobs
 
 
-async def create_completion(request: Request) -> Response:
-    received = time.monotonic()
-    ctx = context_of(request)
-    ctx.service.check_open()
-    body = parse_body(await read_body(request, ctx.settings.max_request_bytes), CompletionRequest)
+async def prepare_completion(ctx: ServerContext, request: Request, raw: bytes) -> CompletionExchange:
+    body = parse_body(raw, CompletionRequest)
     model = ctx.check_model(body.model)
-    stream, include_usage = stream_flags(body)
+    flags = stream_flags(body)
     if body.suffix:
         raise bad_request("suffix (insertion) is not supported by this server.", "suffix")
-    n = body.n or 1
-    if body.best_of is not None and body.best_of != n:
+    if body.best_of is not None and body.best_of != (body.n or 1):
         raise bad_request("best_of other than n is not supported by this server.", "best_of")
     prompts = _prompt_list(body.prompt)
-    if len(prompts) * n > MAX_CHOICES:
+    if len(prompts) * (body.n or 1) > MAX_CHOICES:
         raise bad_request(f"At most {MAX_CHOICES} choices (prompts x n) per request.", "prompt")
-    prompt_ids = await asyncio.to_thread(_encode_prompts, ctx, prompts)
     namespace = cache_namespace(ctx.settings, request.state.api_key, body.cache_salt)
-    jobs = []
-    for i, ids in enumerate(prompt_ids):
-        param = "prompt" if len(prompts) == 1 else f"prompt.{i}"
-        max_tokens = resolve_max_tokens(ctx, body.max_tokens, len(ids), param)
-        jobs.append(Job(ids, sampling_params(ctx, body, max_tokens, body.logprobs), namespace))
+    jobs = await asyncio.to_thread(_jobs, ctx, body, prompts, namespace)
     echoes = None
     if body.echo:
-        echoes = [p if isinstance(p, str) else ctx.tokenizer.decode(ids)
-                  for p, ids in zip(prompts, prompt_ids, strict=True)]
-    ctx.service.admit(len(jobs))
-    request_id = f"cmpl-{uuid.uuid4().hex}"
-    created = int(time.time())
-    if stream:
-        return event_stream(_completion_events(ctx, request_id, created, model, jobs, echoes,
-                                             received, include_usage))
-    connected, finals = await until_disconnected(
-        request, collect(ctx, jobs, request_id, received))
-    if not connected or finals is None:
-        return Response(status_code=499)
-    return JSONResponse(_completion_body(ctx, request_id, created, model, jobs, finals, echoes))
+        echoes = [p if isinstance(p, str) else ctx.tokenizer.decode(job.prompt_ids)
+                  for p, job in zip(prompts, jobs, strict=True)]
+    return CompletionExchange(ctx, model, flags, jobs, echoes)
 
 
-def _completion_usage(finals: list[RequestOutput]) -> dict[str, Any]:
-    return usage_body(sum(len(f.prompt_token_ids) for f in finals),
-                      sum(len(s.token_ids) for f in finals for s in f.outputs),
-                      sum(f.num_cached_tokens for f in finals))
+class CompletionExchange(OpenAIExchange):
+    id_prefix = "cmpl"
+    object_name = "text_completion"
+    chunk_object_name = "text_completion"
 
+    def __init__(self, ctx: ServerContext, model: str, flags: tuple[bool, bool],
+                 jobs: list[Job], echoes: list[str] | None) -> None:
+        super().__init__(ctx, model, flags, jobs)
+        self.echoes = echoes  # each prompt's text, sent before its choices' text (echo)
+        self.n = jobs[0].params.n
 
-def _completion_body(
-    ctx: ServerContext, request_id: str, created: int, model: str, jobs: list[Job],
-    finals: list[RequestOutput], echoes: list[str] | None,
-) -> dict[str, Any]:
-    choices = []
-    for j, (job, out) in enumerate(zip(jobs, finals, strict=True)):
-        for sample in out.outputs:
-            check_sample(sample)
-            prefix = echoes[j] if echoes else ""
-            logprobs = None
-            if job.params.logprobs is not None:
-                logprobs = completion_logprobs(sample.logprobs or [], sample.token_ids,
-                                               ctx.token_text, len(prefix))
-            choices.append({"index": j * job.params.n + sample.index, "text": prefix + sample.text,
-                            "logprobs": logprobs, "finish_reason": finish_reason(sample)})
-    return {"id": request_id, "object": "text_completion", "created": created, "model": model,
-            "choices": choices, "system_fingerprint": None, "usage": _completion_usage(finals)}
+    def _echo(self, job: int) -> str:
+        return self.echoes[job] if self.echoes else ""
 
+    def choice(self, job: int, sample: CompletionOutput) -> dict[str, Any]:
+        prefix = self._echo(job)
+        logprobs = None
+        if self.wants_logprobs(job):
+            logprobs = completion_logprobs(sample.logprobs or [], sample.token_ids,
+                                           self.ctx.token_text, len(prefix))
+        return {"index": job * self.n + sample.index, "text": prefix + sample.text,
+                "logprobs": logprobs, "finish_reason": finish_reason(sample)}
 
-async def _completion_events(
-    ctx: ServerContext, request_id: str, created: int, model: str, jobs: list[Job],
-    echoes: list[str] | None, received: float, include_usage: bool,
-) -> AsyncIterator[bytes]:
-    head = {"id": request_id, "object": "text_completion", "created": created, "model": model,
-            "system_fingerprint": None}
-    if include_usage:
-        head["usage"] = None
+    def opening_events(self) -> list[bytes]:
+        if not self.echoes:
+            return []
+        return [self.chunk([{"index": j * self.n + i, "text": echo, "logprobs": None,
+                             "finish_reason": None}])
+                for j, echo in enumerate(self.echoes) for i in range(self.n)]
 
-    def chunk(choice: dict[str, Any]) -> bytes:
-        return sse({**head, "choices": [choice]})
-
-    n = jobs[0].params.n
-    cursors = {(j, i): StreamCursor(list(job.params.stop or []))  # type: ignore[arg-type]
-               for j, job in enumerate(jobs) for i in range(n)}
-    offsets = dict.fromkeys(cursors, 0)
-    if echoes:
-        for (j, i) in cursors:
-            offsets[(j, i)] = len(echoes[j])
-            yield chunk({"index": j * n + i, "text": echoes[j], "logprobs": None,
-                         "finish_reason": None})
-    finals: list[RequestOutput | None] = [None] * len(jobs)
-    try:
-        async with aclosing(ctx.service.generate(jobs, request_id, received)) as outputs:
-            async for j, out in outputs:
-                finals[j] = out
-                for sample in out.outputs:
-                    check_sample(sample)
-                    key = (j, sample.index)
-                    cursor = cursors[key]
-                    text, start, end = cursor.advance(sample)
-                    finishing = sample.finish_reason is not None and not cursor.done
-                    wants_logprobs = jobs[j].params.logprobs is not None and end > start
-                    if not (text or finishing or wants_logprobs):
-                        continue
-                    cursor.done = cursor.done or finishing
-                    logprobs = None
-                    if wants_logprobs:
-                        logprobs = completion_logprobs((sample.logprobs or [])[start:end],
-                                                       sample.token_ids[start:end],
-                                                       ctx.token_text, offsets[key])
-                    offsets[key] += len(text)
-                    yield chunk({"index": j * n + sample.index, "text": text,
-                                 "logprobs": logprobs,
-                                 "finish_reason": finish_reason(sample) if finishing else None})
-    except APIError as error:
-        yield error_event(error)
-        yield SSE_DONE
-        return
-    if include_usage and all(f is not None for f in finals):
-        yield sse({**head, "choices": [], "usage": _completion_usage(finals)})  # type: ignore[arg-type]
-    yield SSE_DONE
+    def choice_delta(self, delta: Delta, logprobs: bool) -> dict[str, Any]:
+        sample, span = delta.sample, slice(delta.token_start, delta.token_end)
+        offset = len(self._echo(delta.job)) + delta.text_offset
+        return {"index": delta.job * self.n + sample.index, "text": delta.text,
+                "logprobs": completion_logprobs((sample.logprobs or [])[span],
+                                                sample.token_ids[span], self.ctx.token_text,
+                                                offset) if logprobs else None,
+                "finish_reason": finish_reason(sample) if delta.finishing else None}

@@ -1,8 +1,10 @@
-"""OpenAI-compatible routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models.
+"""OpenAI-compatible routes: POST /v1/chat/completions (`openai_chat`), POST /v1/completions
+(`openai_completions`), GET /v1/models.
 
-Usage is engine truth: `prompt_tokens_details.cached_tokens` is exactly the prompt tokens the
-prefix cache supplied (as llama.cpp, and vLLM with --enable-prompt-tokens-details, report it),
-not rounded to OpenAI's 128-token steps, and 0 (never omitted) when nothing was reused.
+Usage is engine truth by default: `prompt_tokens_details.cached_tokens` is exactly the prompt
+tokens the prefix cache supplied (as llama.cpp, and vLLM with --enable-prompt-tokens-details,
+report it), not rounded to OpenAI's 128-token steps, and 0 (never omitted) when nothing was
+reused; --cache-accounting vendor reports OpenAI's rules instead (`accounting`).
 """
 
 from __future__ import annotations
@@ -10,13 +12,13 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
-from pydantic import BaseModel
 
 from radixserve.server.auth import authenticate
 from radixserve.server.context import ServerContext, context_of
 from radixserve.server.openai_chat import create_chat_completion
 from radixserve.server.openai_completions import create_completion
-from radixserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from radixserve.server.openai_protocol import ChatCompletionRequest, CompletionRequest
+from radixserve.server.transport import request_body_doc
 
 
 def build_openai_router() -> APIRouter:
@@ -28,12 +30,6 @@ def build_openai_router() -> APIRouter:
     router.add_api_route("/v1/completions", create_completion, methods=["POST"],
                          openapi_extra=request_body_doc(CompletionRequest))
     return router
-
-
-def request_body_doc(model: type[BaseModel]) -> dict[str, Any]:
-    """OpenAPI for a body the route parses itself (the schema is added to the components)."""
-    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
 
 
 async def _authenticate(request: Request) -> None:

@@ -2,7 +2,8 @@
 down), per-request streams that abort their engine work when the client leaves, the drain on
 shutdown, and the per-request metrics (TTFT, inter-token latency, E2E, finish reasons).
 
-Every API's routes (OpenAI's, Anthropic's) submit through `EngineService.generate`.
+Every generating route (OpenAI's, Anthropic's) submits through `EngineService.generate`, from
+`exchange.handle`.
 """
 
 from __future__ import annotations
@@ -11,13 +12,14 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Hashable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 from radixserve.engine.async_engine import AsyncEngine, EngineDeadError
 from radixserve.outputs import RequestOutput
 from radixserve.sampling_params import SamplingParams
+from radixserve.server.auth import CacheNamespace
 from radixserve.server.errors import APIError, bad_request
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.settings import ServerSettings
@@ -30,9 +32,9 @@ def shutting_down_error(retry_after_s: int) -> APIError:
                     code="shutting_down", headers={"retry-after": str(retry_after_s)})
 
 
-class UsageTracker(Protocol):
-    """A job's prompt-cache accounting (radixserve.server.anthropic_accounting): it sees every
-    output (and may restate its usage figures) and is closed once when the job ends."""
+class UsageObserver(Protocol):
+    """What the service tells a job's prompt-cache accounting (`accounting.JobAccount`): every
+    output (which it may restate with its own usage figures), then the job's end, once."""
 
     def observe(self, output: RequestOutput) -> RequestOutput: ...
 
@@ -45,15 +47,15 @@ class Job:
 
     prompt_ids: list[int]
     params: SamplingParams
-    namespace: Hashable = None
+    namespace: CacheNamespace = None
     # cache_control breakpoints: (prompt token offset, TTL seconds), pinned by the engine.
     pins: tuple[tuple[int, float], ...] = ()
     # The route's own accounting; None: the service's `default_usage`, if any.
-    usage: UsageTracker | None = None
+    usage: UsageObserver | None = None
 
 
-_END = object()  # a job's pump finished
-_Item = tuple[int, object]  # (job index, RequestOutput | exception | _END)
+# (job index, its next output | the error that ended it | None: its pump finished)
+_Item = tuple[int, RequestOutput | BaseException | None]
 
 
 class Lifecycle:
@@ -148,7 +150,7 @@ class EngineService:
         # Accepted jobs without a first token yet: the waiting queue as clients feel it.
         self.num_queued = 0
         # Accounting for jobs that bring none (the OpenAI routes); set by the app.
-        self.default_usage: Callable[[Job], UsageTracker] | None = None
+        self.default_usage: Callable[[Job], UsageObserver] | None = None
         self._cleanups: set[asyncio.Task[None]] = set()
 
     def check_open(self) -> None:
@@ -194,12 +196,11 @@ class EngineService:
         try:
             while remaining:
                 index, item = await stream.get()
-                if item is _END:
+                if item is None:
                     remaining -= 1
                 elif isinstance(item, BaseException):
                     raise self._translate(item) from item
                 else:
-                    assert isinstance(item, RequestOutput)
                     accounting = usage[index]
                     if accounting is not None:
                         item = accounting.observe(item)
@@ -236,7 +237,7 @@ class EngineService:
                 if finished:
                     break
                 output = await anext(outputs)
-            stream.put_nowait((index, _END))
+            stream.put_nowait((index, None))
         except asyncio.CancelledError:
             if not first.done():
                 cleanup = asyncio.create_task(self._abandon(first, outputs))

@@ -34,7 +34,7 @@ class ServerSettings:
     cache_accounting: str = "engine"
     # Overrides every vendor profile's minimum cacheable prefix (vendor accounting only).
     min_cacheable_tokens: int | None = None
-    prices_path: str | None = None  # JSON price overrides (radixserve.caching.prices)
+    prices_path: str | None = None  # JSON price overrides (radixserve.vendors.prices)
     # Mounts POST /debug/clock/advance, which moves the engine's (and the vendor
     # emulation's) clock forward so tests can expire TTLs; never in production.
     enable_clock_control: bool = False

@@ -12,7 +12,7 @@ from collections.abc import Awaitable
 from typing import Any, TypeVar
 
 from fastapi import Request
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from radixserve.server.errors import APIError, bad_request
 
@@ -26,8 +26,24 @@ SSE_DONE = b"data: [DONE]\n\n"
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
-def sse(data: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+class StrictModel(BaseModel):
+    """A request body, OpenAI's or Anthropic's. Strict: a string where a number belongs is a
+    400, as with the vendors. Unknown fields are accepted and ignored, because the SDKs pass new
+    fields through and a strict server would break them."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+def request_body_doc(model: type[BaseModel]) -> dict[str, Any]:
+    """OpenAPI for a body the route parses itself (the app adds the schema to the components)."""
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+def sse(data: dict[str, Any], event: str | None = None) -> bytes:
+    """One server-sent event; `event` names it (Anthropic's SDK dispatches on that line)."""
+    line = b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
+    return (f"event: {event}\n".encode() if event else b"") + line + b"\n\n"
 
 
 async def read_body(request: Request, limit: int) -> bytes:

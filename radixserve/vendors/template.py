@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from radixserve.caching.render import RenderedRequest
+from radixserve.vendors.render import RenderedRequest
 
 TOOLS_HEADER = "# Tools\nYou may call the following tools (JSON schemas):"
 PIECE_SEPARATOR = "\n\n"

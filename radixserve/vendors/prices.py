@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from radixserve.caching.profiles import ModelProfile
-from radixserve.caching.usage import CacheUsage
+from radixserve.vendors.profiles import ModelProfile
+from radixserve.vendors.usage import CacheUsage
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,9 @@ from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from radixserve.caching.layout import PromptLayout
-from radixserve.caching.profiles import ModelProfile
-from radixserve.caching.usage import CacheUsage
+from radixserve.vendors.layout import PromptLayout
+from radixserve.vendors.profiles import ModelProfile
+from radixserve.vendors.usage import CacheUsage
 
 TTL_SECONDS = {"5m": 300.0, "1h": 3600.0}
 _SWEEP_INTERVAL_S = 60.0

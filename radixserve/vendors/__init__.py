@@ -3,15 +3,15 @@ breakpoints, their token offsets, vendor accounting and prices. Pure functions o
 offsets; the server, the linter and `radixserve.testing` share them.
 """
 
-from radixserve.caching.breakpoints import (
+from radixserve.vendors.breakpoints import (
     Breakpoint,
     BreakpointCheck,
     CacheControlError,
     check_breakpoints,
     validate_breakpoints,
 )
-from radixserve.caching.layout import LayoutBreakpoint, PromptLayout, build_layout, prefix_hashes
-from radixserve.caching.prices import (
+from radixserve.vendors.layout import LayoutBreakpoint, PromptLayout, build_layout, prefix_hashes
+from radixserve.vendors.prices import (
     Cost,
     ModelPrice,
     PriceTable,
@@ -20,8 +20,8 @@ from radixserve.caching.prices import (
     load_prices,
     request_cost,
 )
-from radixserve.caching.profiles import PROFILES, ModelProfile, get_profile, profile_for_model
-from radixserve.caching.render import (
+from radixserve.vendors.profiles import PROFILES, ModelProfile, get_profile, profile_for_model
+from radixserve.vendors.render import (
     BodyError,
     CacheBlock,
     CacheControl,
@@ -32,15 +32,15 @@ from radixserve.caching.render import (
     detect_format,
     render_request,
 )
-from radixserve.caching.template import (
+from radixserve.vendors.template import (
     ChatPrompt,
     RenderedPrompt,
     breakpoint_token_offsets,
     chat_prompt,
     render_prompt,
 )
-from radixserve.caching.usage import CacheUsage
-from radixserve.caching.vendor_rules import Accounting, VendorCache
+from radixserve.vendors.usage import CacheUsage
+from radixserve.vendors.vendor_rules import Accounting, VendorCache
 
 __all__ = [
     "PROFILES", "Accounting", "BodyError", "Breakpoint", "BreakpointCheck", "CacheBlock",

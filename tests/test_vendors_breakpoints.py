@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from radixserve.caching import (
+from radixserve.vendors import (
     CacheControlError,
     check_breakpoints,
     render_request,

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from radixserve.caching import (
+from radixserve.vendors import (
     CacheUsage,
     ModelPrice,
     PromptLayout,
@@ -19,7 +19,7 @@ from radixserve.caching import (
     profile_for_model,
     request_cost,
 )
-from radixserve.caching.layout import LayoutBreakpoint
+from radixserve.vendors.layout import LayoutBreakpoint
 
 ONE_DOLLAR = ModelPrice(input_per_mtok=1.0, output_per_mtok=5.0)
 MILLION = 1_000_000
@@ -121,7 +121,7 @@ def test_bad_price_files_are_rejected(tmp_path, content, message):
 
 
 def test_missing_price_says_so():
-    from radixserve.caching.prices import MissingPrice, PriceTable
+    from radixserve.vendors.prices import MissingPrice, PriceTable
 
     with pytest.raises(MissingPrice, match="--prices"):
         PriceTable({}).lookup("m", get_profile("openai"))

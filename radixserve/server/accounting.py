@@ -1,17 +1,24 @@
-"""Prompt-cache accounting for both APIs: engine truth or vendor emulation, priced in dollars.
+"""Prompt-cache accounting for both APIs (Anthropic's and OpenAI's): engine truth or vendor
+emulation, priced in dollars.
 
-One `CacheLedger` per app turns each request's engine figures (or a `VendorCache`'s verdict)
-into a `CacheUsage`, prices it and feeds the cost metrics. Event loop only (not thread-safe).
+One `CacheLedger` per app opens a `JobAccount` per job, which turns the engine's figures (or a
+`VendorCache`'s verdict) into a `CacheUsage`, prices it and feeds the cost metrics. Event loop
+only (not thread-safe).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal
 
-from radixserve.caching import (
+from radixserve.outputs import RequestOutput
+from radixserve.server.auth import CacheNamespace
+from radixserve.server.metrics import ServerMetrics
+from radixserve.server.serving import Job
+from radixserve.server.settings import ServerSettings
+from radixserve.vendors import (
     PROFILES,
     Accounting,
     Cost,
@@ -26,11 +33,7 @@ from radixserve.caching import (
     profile_for_model,
     request_cost,
 )
-from radixserve.caching.usage import CacheUsage
-from radixserve.outputs import RequestOutput
-from radixserve.server.metrics import ServerMetrics
-from radixserve.server.serving import Job
-from radixserve.server.settings import ServerSettings
+from radixserve.vendors.usage import CacheUsage
 
 Api = Literal["anthropic", "openai"]
 
@@ -68,8 +71,9 @@ def engine_usage(
     return CacheUsage(prompt_tokens, cached_tokens, write_5m, write_1h)
 
 
-class UsageTracker:
-    """One job's accounting, fed by `EngineService.generate` (see `serving.UsageTracker`).
+class JobAccount:
+    """One job's entry in the `CacheLedger`: its usage, output and cost, fed by
+    `EngineService.generate` (it is the job's `serving.UsageObserver`).
 
     The usage is known at the first output: engine mode needs the engine's cached-token count,
     vendor mode tells the emulation then that the request has started responding (its writes
@@ -140,7 +144,7 @@ class CacheLedger:
         self.prices: PriceTable = (load_prices(settings.prices_path) if settings.prices_path
                                    else default_prices())
         self.openai_model = settings.model_name
-        self._caches: dict[tuple[str, Hashable], VendorCache] = {}
+        self._caches: dict[tuple[str, CacheNamespace], VendorCache] = {}
 
     def profile(self, model: str, vendor: Api) -> ModelProfile:
         base = profile_for_model(model, vendor)
@@ -152,37 +156,37 @@ class CacheLedger:
         # Priced by the base profile: a --min-cacheable-tokens override renames the profile.
         return self.prices.lookup(model, profile_for_model(model, vendor))
 
-    def _vendor_cache(self, profile: ModelProfile, namespace: Hashable) -> VendorCache:
+    def _vendor_cache(self, profile: ModelProfile, namespace: CacheNamespace) -> VendorCache:
         key = (profile.name, namespace)
         cache = self._caches.get(key)
         if cache is None:
             cache = self._caches[key] = VendorCache(profile, clock=self.clock)
         return cache
 
-    def anthropic(self, model: str, layout: PromptLayout, namespace: Hashable,
-                  bill_output: bool = True) -> UsageTracker:
-        """A Messages request's tracker; in vendor mode its reads and writes happen now, at
+    def anthropic(self, model: str, layout: PromptLayout, namespace: CacheNamespace,
+                  bill_output: bool = True) -> JobAccount:
+        """A Messages request's account; in vendor mode its reads and writes happen now, at
         the request's start, as the vendor's lookup does."""
         price = self.price(model, "anthropic")
         if not self.vendor_mode:
-            return UsageTracker(self, "anthropic", price, layout.breakpoints,
-                                bill_output=bill_output)
+            return JobAccount(self, "anthropic", price, layout.breakpoints,
+                              bill_output=bill_output)
         vendor = self._vendor_cache(self.profile(model, "anthropic"), namespace)
-        return UsageTracker(self, "anthropic", price, layout.breakpoints, vendor,
-                            vendor.start(layout), bill_output)
+        return JobAccount(self, "anthropic", price, layout.breakpoints, vendor,
+                          vendor.start(layout), bill_output)
 
-    def openai(self, job: Job) -> UsageTracker:
-        """An OpenAI job's tracker: engine truth, or OpenAI's automatic-caching rules (1,024
+    def openai(self, job: Job) -> JobAccount:
+        """An OpenAI job's account: engine truth, or OpenAI's automatic-caching rules (1,024
         token minimum, 128-token increments) over the prompt's token ids."""
         model = self.openai_model
         price = self.price(model, "openai")
         if not self.vendor_mode:
-            return UsageTracker(self, "openai", price)
+            return JobAccount(self, "openai", price)
         namespace = f"{model}\0{job.namespace!r}"
         layout = PromptLayout(block_hashes=(), breakpoints=(), total_tokens=len(job.prompt_ids),
                               token_ids=tuple(job.prompt_ids), namespace=namespace)
         vendor = self._vendor_cache(self.profile(model, "openai"), job.namespace)
-        return UsageTracker(self, "openai", price, (), vendor, vendor.start(layout))
+        return JobAccount(self, "openai", price, (), vendor, vendor.start(layout))
 
 
 def is_known_anthropic_model(model: str) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from radixserve.caching import (
+from radixserve.vendors import (
     BodyError,
     breakpoint_token_offsets,
     chat_prompt,
@@ -14,8 +14,8 @@ from radixserve.caching import (
     render_request,
     validate_breakpoints,
 )
-from radixserve.caching.layout import prefix_hashes
-from radixserve.caching.render import block_end_offsets, block_token_counts
+from radixserve.vendors.layout import prefix_hashes
+from radixserve.vendors.render import block_end_offsets, block_token_counts
 
 TOOL = {
     "name": "get_weather",

@@ -1,18 +1,21 @@
-"""OpenAI request bodies as strict pydantic models, and builders for the response bodies.
+"""OpenAI request bodies as strict pydantic models (see `transport.StrictModel`), and builders
+for the response bodies.
 
-Strict: a string where a number belongs is a 400, as with OpenAI. Unknown fields are accepted
-and ignored, because the SDKs pass new fields through and a strict server would break them.
-Fields documented by OpenAI that we accept but do not act on are listed in `IGNORED_FIELDS`.
+Fields documented by OpenAI that we accept but do not act on are listed in `IGNORED_FIELDS`;
+every other field is either acted on or refused with a 400 naming it.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from radixserve.outputs import CompletionOutput
+from radixserve.server.errors import bad_request
+from radixserve.server.transport import StrictModel
 
 # Accepted without error, not acted on. prompt_cache_key only routes between OpenAI's
 # machines (we are one); the penalties, logit_bias and response_format are not implemented.
@@ -24,27 +27,25 @@ IGNORED_FIELDS = (
     "function_call",
 )
 
+# More stop strings make every streamed chunk's hold-back check slower.
 MAX_STOP_SEQUENCES = 16
-_STRICT = ConfigDict(strict=True, extra="allow")
 # JSON has no infinity; a -inf log-probability is sent as this, as vLLM does.
 _MIN_LOGPROB = -9999.0
+TokenText = Callable[[int], str]  # a token id's text
 
 
-class StreamOptions(BaseModel):
-    model_config = _STRICT
+class StreamOptions(StrictModel):
     include_usage: bool | None = None
 
 
-class ContentPart(BaseModel):
+class ContentPart(StrictModel):
     """One part of a message's content; only text parts can be rendered for a text model."""
 
-    model_config = _STRICT
     type: str
     text: str | None = None
 
 
-class ChatMessage(BaseModel):
-    model_config = _STRICT
+class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -52,10 +53,9 @@ class ChatMessage(BaseModel):
     tool_call_id: str | None = None
 
 
-class GenerationRequest(BaseModel):
+class GenerationRequest(StrictModel):
     """Fields chat and completions share."""
 
-    model_config = _STRICT
     model: str | None = None  # None: the first served name
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
@@ -80,6 +80,24 @@ class GenerationRequest(BaseModel):
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
 
+    def sampling_options(self) -> dict[str, Any]:
+        """SamplingParams arguments for the fields set (`validation.SamplingFields`)."""
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stop) > MAX_STOP_SEQUENCES:
+            raise bad_request(f"At most {MAX_STOP_SEQUENCES} stop sequences are allowed.", "stop")
+        options = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+                   "seed": self.seed, "stop": stop, "stop_token_ids": self.stop_token_ids,
+                   "n": self.n, "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens,
+                   "logprobs": self.top_logprob_count()}
+        return {name: value for name, value in options.items() if value is not None}
+
+    def top_logprob_count(self) -> int | None:
+        """Top log-probabilities wanted per token; None: no logprobs at all."""
+        return None
+
+    def field_name(self, option: str) -> str:
+        return option
+
 
 class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
@@ -89,6 +107,14 @@ class ChatCompletionRequest(GenerationRequest):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
 
+    def top_logprob_count(self) -> int | None:
+        if self.top_logprobs and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true.", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def field_name(self, option: str) -> str:
+        return "top_logprobs" if option == "logprobs" else option
+
 
 class CompletionRequest(GenerationRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
@@ -96,6 +122,9 @@ class CompletionRequest(GenerationRequest):
     logprobs: int | None = Field(None, ge=0, le=20)
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1, le=128)
+
+    def top_logprob_count(self) -> int | None:
+        return self.logprobs
 
 
 # ----- response bodies -----
@@ -124,12 +153,9 @@ def _logprob(value: float) -> float:
 
 
 def chat_logprobs(
-    entries: list[tuple[float, dict[int, float]]], token_ids: list[int], token_text: Any
+    entries: list[tuple[float, dict[int, float]]], token_ids: list[int], token_text: TokenText
 ) -> dict[str, Any]:
-    """`choices[i].logprobs` of chat: one entry per token, with its top alternatives.
-
-    `token_text(id)` gives a token's text.
-    """
+    """`choices[i].logprobs` of chat: one entry per token, with its top alternatives."""
 
     def item(tid: int, lp: float) -> dict[str, Any]:
         text = token_text(tid)
@@ -144,7 +170,7 @@ def chat_logprobs(
 
 
 def completion_logprobs(
-    entries: list[tuple[float, dict[int, float]]], token_ids: list[int], token_text: Any,
+    entries: list[tuple[float, dict[int, float]]], token_ids: list[int], token_text: TokenText,
     text_offset: int,
 ) -> dict[str, Any]:
     """`choices[i].logprobs` of legacy completions: parallel lists, offsets into the text."""
