@@ -12,6 +12,7 @@ groups), and a whole decode step (the model forward over the batch) with either 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import random
@@ -24,6 +25,7 @@ from timing import best_ms
 from radixserve import LLM, SamplingParams
 from radixserve.engine.request import Request
 from radixserve.engine.scheduler import SchedulerOutput
+from radixserve.layers.attention import choose_backend
 
 # (label, requests, distinct prefixes, prefix tokens, own tokens per request)
 SHAPES = [
@@ -60,43 +62,32 @@ def measure(llm: LLM, shape: tuple[str, int, int, int, int], repeat: int) -> dic
     label, n, prefixes, prefix_len, own = shape
     engine = llm.engine
     runner, model, pool = engine.runner, engine.model, engine.pool
-    kernel = runner.decode_kernel
-    assert kernel is not None, "the C++ kernel did not build here"
+    kernel_path = runner.attention
+    assert kernel_path.decode.name == "kernel", "the C++ kernel did not build here"
+    torch_path = dataclasses.replace(
+        kernel_path, decode=choose_backend("decode", "torch", kernel_path.decode.env))
     requests, allocated = _requests(llm, n, prefixes, prefix_len, own)
     plan = SchedulerOutput(decodes=requests)
-    attention = model.layers[0].self_attn
-    heads, dim = attention.num_heads, attention.head_dim
-    k_cache, v_cache = pool.k[0], pool.v[0]
-    q = torch.randn(n, heads, dim, dtype=k_cache.dtype)
-    kv = torch.randn(n, attention.num_kv_heads, dim, dtype=k_cache.dtype)
+    env = kernel_path.decode.env
+    cache = pool.layers[0]
+    q = torch.randn(n, env.num_heads, env.head_dim, dtype=cache.k.dtype)
+    kv = torch.randn(n, env.num_kv_heads, env.head_dim, dtype=cache.k.dtype)
+    out = torch.empty_like(q)
     result: dict[str, object] = {"shape": label, "requests": n,
                                  "context_tokens": prefix_len + own}
-
-    batch, _ = runner.build_batch(plan)
-    run = batch.kernel_decode
-    assert run is not None
-    result["layer_kernel_ms"] = best_ms(
-        lambda: kernel(q, k_cache, v_cache, run.slots, run.starts, attention.scale,
-                       run.max_level), repeat)
-
-    runner.decode_kernel = None
-    try:
-        batch, _ = runner.build_batch(plan)
-
-        def torch_layer() -> None:
-            for group in batch.decode_groups:
-                group.kept, group.append_at = None, None  # gather every time, as a new batch
-                rows = slice(group.start, group.end)
-                attention._decode_attention(q[rows], kv[rows], kv[rows], group, k_cache,
-                                            v_cache)
-
-        result["layer_torch_ms"] = best_ms(torch_layer, repeat)
-        result["step_torch_ms"] = best_ms(
-            lambda: model(runner.build_batch(plan)[0], pool.k, pool.v), max(1, repeat // 10))
-    finally:
-        runner.decode_kernel = kernel
-    result["step_kernel_ms"] = best_ms(
-        lambda: model(runner.build_batch(plan)[0], pool.k, pool.v), max(1, repeat // 10))
+    for name, attention in (("kernel", kernel_path), ("torch", torch_path)):
+        runner.attention = attention
+        try:
+            # One layer's decode attention over a batch planned once (the torch path gathers
+            # every context each call, as for a batch that changed since the last step).
+            backend = attention.decode
+            metadata = runner.build_batch(plan)[0].attention_plan.decode
+            result[f"layer_{name}_ms"] = best_ms(
+                lambda b=backend, m=metadata: b.forward(q, kv, kv, cache, m, out), repeat)
+            result[f"step_{name}_ms"] = best_ms(
+                lambda: model(runner.build_batch(plan)[0], pool.layers), max(1, repeat // 10))
+        finally:
+            runner.attention = kernel_path
     result["layer_speedup"] = result["layer_torch_ms"] / result["layer_kernel_ms"]
     result["step_speedup"] = result["step_torch_ms"] / result["step_kernel_ms"]
     for slots in allocated:

@@ -31,8 +31,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     llm = LLM(args.model, dtype="bfloat16", kv_cache_tokens=256, show_progress=False)
-    kernel = llm.engine.runner.matmul_kernel
-    assert kernel is not None, "the skinny matmul needs AVX512-BF16 and a C++ compiler"
+    method = llm.engine.model.linear_method
+    assert method.name == "kernel", "the skinny matmul needs AVX512-BF16 and a C++ compiler"
+    kernel = method.op  # type: ignore[attr-defined]
     model = llm.engine.model
     linears = [m for layer in model.layers for m in (layer.self_attn.qkv_proj,
                layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]

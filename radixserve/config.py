@@ -8,9 +8,13 @@ from typing import Any
 PREFIX_CACHE_MODES = ("radix", "hash", "off")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-# kernel: our C++ decode attention reading the paged pool in place (CPU, float32/bfloat16);
-# torch: PyTorch ops over gathered K/V (any device); auto: kernel where it applies and builds.
+# Decode attention (radixserve/layers/attention): kernel, our C++ decode attention reading the
+# paged pool in place (CPU, float32/bfloat16); torch, PyTorch ops over gathered K/V (any
+# device); auto, the kernel where it applies and builds.
 ATTENTION_BACKENDS = ("auto", "kernel", "torch")
+# Prefill attention: blocked, our blocked causal attention on bfloat16 matmuls (CPU,
+# bfloat16/float16); sdpa, PyTorch's scaled_dot_product_attention; auto, blocked where it applies.
+PREFILL_ATTENTION_BACKENDS = ("auto", "blocked", "sdpa")
 # kernel: our C++ bfloat16 matmul for steps of at most 48 tokens (CPU with AVX512-BF16);
 # torch: nn.Linear (oneDNN on CPU); auto: kernel where it applies and builds.
 MATMUL_BACKENDS = ("auto", "kernel", "torch")
@@ -39,9 +43,10 @@ class EngineConfig:
     dedup_min_tokens: int = 32
     max_pinned_fraction: float = 0.5  # cap on KV held by TTL pins (cache_control)
     attention_backend: str = "auto"  # decode attention; see ATTENTION_BACKENDS
+    prefill_attention_backend: str = "auto"  # see PREFILL_ATTENTION_BACKENDS
     matmul_backend: str = "auto"  # projections of steps with few tokens; see MATMUL_BACKENDS
     num_threads: int | None = None  # torch CPU threads; None keeps torch's default
-    seed: int = 0
+    seed: int = 0  # seeds sampling for requests that carry no seed of their own
     show_progress: bool = True
     debug_invariants: bool = False  # check the slot-accounting invariant at every idle step
 
@@ -61,6 +66,9 @@ class EngineConfig:
         need(self.attention_backend in ATTENTION_BACKENDS,
              f"attention_backend must be one of {ATTENTION_BACKENDS}, "
              f"got {self.attention_backend!r}")
+        need(self.prefill_attention_backend in PREFILL_ATTENTION_BACKENDS,
+             f"prefill_attention_backend must be one of {PREFILL_ATTENTION_BACKENDS}, "
+             f"got {self.prefill_attention_backend!r}")
         need(self.matmul_backend in MATMUL_BACKENDS,
              f"matmul_backend must be one of {MATMUL_BACKENDS}, got {self.matmul_backend!r}")
         need(self.page_size >= 1, "page_size must be >= 1")

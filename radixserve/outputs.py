@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
+
+# "error": the forward pass failed for this request (its KV was not kept).
+FinishReason = Literal["stop", "length", "abort", "error"]
 
 
 @dataclass
@@ -10,7 +14,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    finish_reason: FinishReason | None  # None while running
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     # Per output token: (chosen token's logprob, {token id: logprob} of the top ones).
     logprobs: list[tuple[float, dict[int, float]]] | None = None

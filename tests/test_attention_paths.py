@@ -16,18 +16,15 @@ import pytest
 import torch
 
 from radixserve.engine.kv_pool import KVPool, OutOfSlots, PageAllocator
-from radixserve.engine.runner import ModelRunner, slot_run
-from radixserve.model.config import ModelConfig
-from radixserve.model.llama import Attention, KVGather
+from radixserve.layers.attention import AttentionEnv
+from radixserve.layers.attention.blocked_prefill import BlockedPrefill
+from radixserve.layers.attention.gather import GatherPlanner, KVGather, slot_run
 
 
-def _config(heads: int = 6, kv_heads: int = 2, head_dim: int = 32) -> ModelConfig:
-    return ModelConfig(
-        architecture="llama", vocab_size=64, hidden_size=heads * head_dim, intermediate_size=64,
-        num_layers=1, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-        rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=4096,
-        tie_word_embeddings=True,
-    )
+def _env(dtype: torch.dtype = torch.bfloat16, heads: int = 6, kv_heads: int = 2,
+         head_dim: int = 32) -> AttentionEnv:
+    return AttentionEnv(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, window=None,
+                        num_slots=4096, device=torch.device("cpu"), dtype=dtype)
 
 
 def _reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, first: int,
@@ -47,32 +44,37 @@ def _reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, first:
 @pytest.mark.parametrize(("first", "n"), [(0, 7), (0, 300), (0, 512), (100, 1), (333, 290)])
 def test_blocked_prefill_attention_matches_reference(first, n):
     torch.manual_seed(first + n)
-    attn = Attention(_config(), 0)
+    env = _env()
+    attn = BlockedPrefill(env)
+    # The cases' random data as first written: it followed two projections' initialisation.
+    torch.nn.Linear(192, 320, bias=False), torch.nn.Linear(192, 192, bias=False)
     q = torch.randn(n, 6, 32, dtype=torch.bfloat16)
     keys = torch.randn(2, first + n, 32, dtype=torch.bfloat16)
     values = torch.randn(2, first + n, 32, dtype=torch.bfloat16)
-    assert Attention._blocked_prefill(q)
-    got = attn._prefill_attention(q, keys, values, first).float()
-    want = _reference(q, keys, values, first, attn.scale)
+    assert BlockedPrefill.unavailable(env) is None
+    got = attn.causal(q, keys, values, first).float()
+    want = _reference(q, keys, values, first, env.scale)
     # bfloat16 probabilities and outputs: a few units in the last place of values ~1.
     assert (got - want).abs().max().item() < 0.03
     # A future key leaking in would move outputs by far more than that: the check can fail.
-    leaky = _reference(q, keys, values, first + 1, attn.scale) if n > 1 else None
+    leaky = _reference(q, keys, values, first + 1, env.scale) if n > 1 else None
     if leaky is not None:
         assert (leaky - want).abs().max().item() > 0.1
 
 
 def test_float32_and_cuda_keep_sdpa():
-    assert not Attention._blocked_prefill(torch.zeros(2, 2, dtype=torch.float32))
+    assert BlockedPrefill.unavailable(_env(torch.float32)) is not None
+    cuda = AttentionEnv(6, 2, 32, None, 4096, torch.device("cuda"), torch.bfloat16)
+    assert BlockedPrefill.unavailable(cuda) is not None
 
 
-def _runner(min_copy_run: int) -> ModelRunner:
-    runner = ModelRunner.__new__(ModelRunner)  # only the gather planning is exercised
-    runner.device = torch.device("cpu")
-    runner.pool = KVPool(1, 400, 1, 2, 4, torch.float32, "cpu")
-    runner.pool.k[0].copy_(torch.randn(2, 400, 4))
-    runner.min_copy_run = min_copy_run
-    return runner
+class _Planned:
+    """A one-layer pool of random keys and a gather planner over it."""
+
+    def __init__(self, min_copy_run: int) -> None:
+        self.pool = KVPool(1, 400, 1, 2, 4, torch.float32, "cpu")
+        self.pool.layers[0].k.copy_(torch.randn(2, 400, 4))
+        self.planner = GatherPlanner(2, 400, torch.device("cpu"), min_copy_run)
 
 
 def test_gather_plan_reads_the_same_rows_as_slot_by_slot():
@@ -85,9 +87,9 @@ def test_gather_plan_reads_the_same_rows_as_slot_by_slot():
     ]
     length = max(len(t) for t in tables) + 3  # padding too
     for min_run in (8, 10**9):
-        runner = _runner(min_run)
-        cache = runner.pool.k[0]
-        plan = runner._gather_plan(tables, length)
+        runner = _Planned(min_run)
+        cache = runner.pool.layers[0].k
+        plan = runner.planner.plan(tables, length)
         flat = [s for t in tables for s in t + [0] * (length - len(t))]
         want = cache.index_select(1, torch.tensor(flat))
         got = plan.take(cache)
@@ -98,14 +100,14 @@ def test_gather_plan_reads_the_same_rows_as_slot_by_slot():
 
 
 def test_gather_plan_without_runs_is_one_index_select():
-    runner = _runner(512)
-    plan = runner._gather_plan([[3, 4, 5], [9]], 4)
+    runner = _Planned(512)
+    plan = runner.planner.plan([[3, 4, 5], [9]], 4)
     assert plan.segments is None
     slots = [3, 4, 5, 0, 9, 0, 0, 0]
     # Rows of the [heads * slots, dim] view: head 1's copy of slot s is row 400 + s.
     assert plan.gathered is not None
     assert plan.gathered.tolist() == slots + [400 + s for s in slots]
-    cache = runner.pool.k[0]
+    cache = runner.pool.layers[0].k
     assert torch.equal(plan.take(cache), cache[:, slots])
     assert isinstance(plan, KVGather)
 

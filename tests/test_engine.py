@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from radixserve import LLM, SamplingParams
-from tests.conftest import SMALL_ENGINE
+from tests.conftest import SMALL_ENGINE, use_decode_backend
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
@@ -53,33 +54,13 @@ def test_batched_equals_one_at_a_time(llm, reference):
     _assert_idle(llm)
 
 
-def test_decode_reuses_kept_kv_and_matches_regathering(llm, reference, monkeypatch):
-    # A steady decode batch keeps last step's keys and values and writes only the new tokens;
-    # this must equal gathering every context from the pool at every step.
-    from radixserve.engine.runner import ModelRunner
-    from radixserve.model.llama import Attention
-
+def test_torch_decode_path_matches_one_at_a_time(llm, reference, monkeypatch):
+    # The PyTorch decode backend (gathers, shared-prefix groups) gives the batched outputs the
+    # default path gives one request at a time.
     prompts, one_by_one = reference
-    # Kept K/V belongs to the PyTorch decode path (the C++ kernel reads the pool in place).
-    monkeypatch.setattr(llm.engine.runner, "decode_kernel", None)
-    appends = []
-    original = Attention._own_kv
-
-    def counted(self, k, v, group, k_cache, v_cache):
-        appends.append(group.append_at is not None)
-        return original(self, k, v, group, k_cache, v_cache)
-
-    monkeypatch.setattr(Attention, "_own_kv", counted)
+    use_decode_backend(monkeypatch, llm, "torch")
+    assert llm.engine.runner.attention.decode.name == "torch"
     assert _tokens(llm.generate(prompts, GREEDY)) == one_by_one
-    assert sum(appends) > len(appends) // 2  # most decode steps appended
-    appends.clear()
-
-    def regather(self, group, *args):
-        group.kept, group.append_at = None, None
-
-    monkeypatch.setattr(ModelRunner, "_keep", regather)
-    assert _tokens(llm.generate(prompts, GREEDY)) == one_by_one
-    assert appends and not any(appends)
     _assert_idle(llm)
 
 
@@ -189,3 +170,19 @@ def test_missing_model_path():
 def test_unknown_setting_is_named(model_path):
     with pytest.raises(TypeError, match="page_sise"):
         LLM(str(model_path), page_sise=4)
+
+
+def test_engine_seed_drives_sampling_without_a_request_seed(llm):
+    # EngineConfig.seed seeds one generator for requests that carry no seed (vLLM's rule): the
+    # same engine seed gives the same samples, another seed other samples.
+    generator = llm.engine.runner.generator
+    assert generator.initial_seed() == llm.engine.config.seed
+    prompt = {"prompt_token_ids": _chat_ids(llm, "Tell me a story.")}
+    params = SamplingParams(max_tokens=16, temperature=1.0)
+    runs = []
+    for seed in (5, 5, 6):
+        generator.manual_seed(seed)
+        torch.manual_seed(seed * 7 + len(runs))  # the global generator must not matter
+        runs.append(_tokens(llm.generate(prompt, params)))
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]

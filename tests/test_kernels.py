@@ -17,7 +17,7 @@ import torch
 from radixserve import LLM, SamplingParams
 from radixserve.engine.request import Request
 from radixserve.kernels import SKINNY_MAX_ROWS, decode_attention_op, skinny_matmul_op
-from radixserve.model.llama import project
+from radixserve.layers.linear import DenseLinear, Linear, SkinnyLinear
 
 OP = decode_attention_op()
 MATMUL = skinny_matmul_op()
@@ -193,21 +193,22 @@ def _prompts(llm: LLM) -> list[dict]:
 
 def test_engine_kernel_equals_torch_path(engines):
     kernel, torch_path = engines
-    assert kernel.engine.runner.decode_kernel is not None
-    assert torch_path.engine.runner.decode_kernel is None
+    decode = kernel.engine.runner.attention.decode
+    assert decode.name == "kernel"
+    assert torch_path.engine.runner.attention.decode.name == "torch"
     prompts = _prompts(kernel)
     calls = []
-    op = kernel.engine.runner.decode_kernel
+    op = decode.op
 
     def counted(*args):
         calls.append(args[0].shape[0])
         return op(*args)
 
-    kernel.engine.runner.decode_kernel = counted
+    decode.op = counted
     try:
         got = [r.outputs[0].token_ids for r in kernel.generate(prompts, GREEDY)]
     finally:
-        kernel.engine.runner.decode_kernel = op
+        decode.op = op
     assert max(calls) == len(prompts)  # every decode of the full batch went through it
     want = [r.outputs[0].token_ids for r in torch_path.generate(prompts, GREEDY)]
     assert got == want
@@ -220,13 +221,13 @@ def test_engine_portable_kernel_path_agrees(engines):
     # The portable C++ path (what a CPU without AVX-512 runs) gives the same greedy tokens.
     kernel, _ = engines
     prompts = _prompts(kernel)
-    runner = kernel.engine.runner
+    decode = kernel.engine.runner.attention.decode
     want = [r.outputs[0].token_ids for r in kernel.generate(prompts, GREEDY)]
-    runner.kernel_level = 0
+    decode.max_level = 0
     try:
         got = [r.outputs[0].token_ids for r in kernel.generate(prompts, GREEDY)]
     finally:
-        runner.kernel_level = 2
+        decode.max_level = 2
     assert got == want
 
 
@@ -279,7 +280,7 @@ def test_skinny_matmul_refuses_what_it_cannot_take():
         MATMUL(torch.randn(64, 2).bfloat16().t(), w, None)
 
 
-def test_project_falls_back_where_the_kernel_does_not_fit():
+def test_skinny_method_falls_back_where_the_kernel_does_not_fit():
     calls = []
 
     def matmul(x, w, b):
@@ -287,10 +288,18 @@ def test_project_falls_back_where_the_kernel_does_not_fit():
         return torch.nn.functional.linear(x, w, b)
 
     x = torch.randn(3, 64)
-    fits, odd = torch.nn.Linear(64, 32), torch.nn.Linear(64, 40)
-    assert torch.equal(project(fits, x, matmul), fits(x))
-    assert torch.equal(project(odd, x, matmul), odd(x))
-    assert torch.equal(project(fits, x, None), fits(x))
+    method = SkinnyLinear(matmul)
+    fits, odd = Linear(64, 32, True, method), Linear(64, 40, True, method)
+    for layer in (fits, odd):
+        torch.nn.init.normal_(layer.weight)
+        torch.nn.init.normal_(layer.bias)
+    reference = torch.nn.functional.linear
+    assert torch.equal(fits(x), reference(x, fits.weight, fits.bias))
+    assert torch.equal(odd(x), reference(x, odd.weight, odd.bias))
+    assert torch.equal(DenseLinear().apply(fits, x), reference(x, fits.weight, fits.bias))
+    assert calls == [(32, 64)]
+    tall = torch.randn(SKINNY_MAX_ROWS + 1, 64)  # more rows than the kernel takes: oneDNN
+    assert torch.equal(fits(tall), reference(tall, fits.weight, fits.bias))
     assert calls == [(32, 64)]
 
 
@@ -302,15 +311,15 @@ def test_engine_decodes_through_the_skinny_matmul(model_path):
     fast = LLM(str(model_path), dtype="bfloat16", matmul_backend="kernel", **settings)
     plain = LLM(str(model_path), dtype="bfloat16", matmul_backend="torch", **settings)
     exact = LLM(str(model_path), dtype="float32", **settings)
-    assert plain.engine.runner.matmul_kernel is None
-    runner = fast.engine.runner
-    op, shapes = runner.matmul_kernel, []
+    assert plain.engine.model.linear_method.name == "torch"
+    method = fast.engine.model.linear_method
+    op, shapes = method.op, []
 
     def counted(x, w, b):
         shapes.append((x.shape[0], w.shape[0]))
         return op(x, w, b)
 
-    runner.matmul_kernel = counted
+    method.op = counted
     try:
         for text in ["The capital of France is", "Write a haiku", "2 + 2 ="]:
             ids = fast.tokenizer.encode(text)
@@ -329,7 +338,7 @@ def test_engine_decodes_through_the_skinny_matmul(model_path):
         assert len(out[0].outputs[0].token_ids) == 6
         assert len(shapes) == 6 * (4 * layers + 1)  # the prompt's step and five decode steps
     finally:
-        runner.matmul_kernel = op
+        method.op = op
     with pytest.raises(ValueError, match="matmul_backend='kernel' needs"):
         LLM(str(model_path), dtype="float32", matmul_backend="kernel", **settings)
 

@@ -80,16 +80,16 @@ BF16_LOGIT_TOLERANCE = 1.0
 def test_bfloat16_blocked_attention_stays_close_to_float32(llm, model_path, monkeypatch):
     # On CPU, bfloat16 prefill runs our blocked causal attention rather than SDPA, whole and
     # chunked (a chunk attends to the cached context before it). Both stay close to float32.
-    from radixserve.model.llama import Attention
+    from radixserve.layers.attention.blocked_prefill import BlockedPrefill
 
     calls = []
-    original = Attention._prefill_attention
+    original = BlockedPrefill.causal
 
     def counted(self, q, keys, values, first):
         calls.append(first)
         return original(self, q, keys, values, first)
 
-    monkeypatch.setattr(Attention, "_prefill_attention", counted)
+    monkeypatch.setattr(BlockedPrefill, "causal", counted)
     whole = LLM(str(model_path), dtype="bfloat16", **SMALL_ENGINE)
     for prompt in _prompts(llm):
         ref = llm.engine.prompt_logits(prompt)

@@ -4,11 +4,13 @@ requests, and kept apart between tenants."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 
 from radixserve import LLM, SamplingParams
+from tests.conftest import use_decode_backend
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
@@ -73,10 +75,11 @@ def _run_rounds(llm: LLM, rounds: list[list[list[int]]]) -> list[list[int]]:
 def test_cache_on_equals_cache_off(radix, off, decode, monkeypatch):
     # Both decode attention paths: the C++ kernel reading the pool in place, and PyTorch's
     # gathers with shared-prefix groups.
-    assert radix.engine.runner.decode_kernel is not None  # the engines default to the kernel
+    # the engines default to the kernel
+    assert radix.engine.runner.attention.decode.name == "kernel"
     if decode == "torch":
         for llm in (radix, off):
-            monkeypatch.setattr(llm.engine.runner, "decode_kernel", None)
+            use_decode_backend(monkeypatch, llm, "torch")
     rounds = _mixed_workload(radix)
     expected = _run_rounds(off, rounds)
     assert _run_rounds(radix, rounds) == expected
@@ -176,22 +179,19 @@ def test_decode_groups_sharing_different_prefixes_match_cache_off(radix, off, mo
     prompts = [{"prompt_token_ids": systems[i % 2] + [rng.randrange(200, 40000) for _ in range(4 + i)]}
                for i in range(6)]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    runner = radix.engine.runner
-    monkeypatch.setattr(runner, "decode_kernel", None)
+    use_decode_backend(monkeypatch, radix, "torch")
+    decode = radix.engine.runner.attention.decode
     seen: list[list[tuple[int, int]]] = []
-    original = runner._group_decodes
+    original = decode.group_decodes
 
     def spy(decodes):
         groups = original(decodes)
         seen.append([(len(members), shared) for members, shared, _ in groups])
         return groups
 
-    runner._group_decodes = spy
-    try:
-        radix.generate(prompts[:2], SamplingParams(max_tokens=1, temperature=0))  # warm both
-        got = [r.outputs[0].token_ids for r in radix.generate(prompts, params)]
-    finally:
-        del runner._group_decodes
+    monkeypatch.setattr(decode, "group_decodes", spy)
+    radix.generate(prompts[:2], SamplingParams(max_tokens=1, temperature=0))  # warm both
+    got = [r.outputs[0].token_ids for r in radix.generate(prompts, params)]
     assert any(sorted(g) == [(3, 150), (3, 150)] for g in seen), seen
     assert got == [r.outputs[0].token_ids for r in off.generate(prompts, params)]
     _assert_idle(radix)
@@ -201,24 +201,22 @@ def test_kv_read_through_slot_runs_matches_cache_off(radix, off, monkeypatch):
     # Cached prefixes and prompts are allocated as slot runs; with the run threshold lowered,
     # attention reads them as views of the pool (prefill over a cached context, and decode on
     # the PyTorch path) instead of gathering slot by slot. Outputs must not change.
-    runner = radix.engine.runner
-    monkeypatch.setattr(runner, "decode_kernel", None)
+    use_decode_backend(monkeypatch, radix, "torch")
+    attention = radix.engine.runner.attention
     plans = []
-    original = runner._gather_plan
+    for backend in (attention.decode, attention.prefill):
+        planner = dataclasses.replace(backend.gathers, min_copy_run=16)
+        original = planner.plan
 
-    def spy(tables, length):
-        plan = original(tables, length)
-        plans.append(plan)
-        return plan
+        def spy(tables, length, original=original):
+            plan = original(tables, length)
+            plans.append(plan)
+            return plan
 
-    threshold = runner.min_copy_run
-    runner.min_copy_run, runner._gather_plan = 16, spy
-    try:
-        rounds = _mixed_workload(radix)
-        got = _run_rounds(radix, rounds)
-    finally:
-        runner.min_copy_run = threshold
-        del runner._gather_plan
+        planner.plan = spy  # type: ignore[method-assign]
+        monkeypatch.setattr(backend, "gathers", planner)
+    rounds = _mixed_workload(radix)
+    got = _run_rounds(radix, rounds)
     assert got == _run_rounds(off, rounds)
     assert any(plan.segments and any(s[0] for s in plan.segments) for plan in plans)
     _assert_idle(radix)

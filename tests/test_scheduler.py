@@ -38,13 +38,9 @@ def _step(scheduler: Scheduler) -> list[Request]:
     """Schedules one step and applies it as the engine does: returns the admitted order."""
     plan = scheduler.schedule()
     sampled = [*plan.decodes, *[c.request for c in plan.prefills if c.completes_prompt]]
-    for chunk in plan.prefills:
-        chunk.request.num_computed += chunk.num_tokens
-        scheduler.publish(chunk.request)
-    for request in plan.decodes:
-        request.num_computed += 1
+    scheduler.advance(plan)
     for request in sampled:
-        request.output_token_ids.append(7)
+        request.append_output(7)
         if len(request.output_token_ids) >= request.params.max_tokens:
             scheduler.finish(request, "length")
     return [c.request for c in plan.prefills]

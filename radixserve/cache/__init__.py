@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 
 from radixserve.cache.base import (
+    CacheHandle,
     CacheStats,
     InsertResult,
     MatchResult,
@@ -20,8 +21,7 @@ from radixserve.cache.base import (
 from radixserve.cache.block_hash import BlockHashCache
 from radixserve.cache.no_cache import NoCache
 from radixserve.cache.radix import RadixCache
-
-PREFIX_CACHE_MODES = ("radix", "hash", "off")
+from radixserve.config import PREFIX_CACHE_MODES
 
 
 def make_prefix_cache(
@@ -46,6 +46,7 @@ def make_prefix_cache(
 __all__ = [
     "PREFIX_CACHE_MODES",
     "BlockHashCache",
+    "CacheHandle",
     "CacheStats",
     "InsertResult",
     "MatchResult",

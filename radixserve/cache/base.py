@@ -19,6 +19,13 @@ Namespace = Hashable
 ReleaseFn = Callable[[list[int]], None]
 
 
+class CacheHandle:
+    """Names a cached path (from the root to one node) for lock, unlock and pin. Each cache
+    mode subclasses it with its own node type; the "off" mode's handle is None."""
+
+    __slots__ = ()
+
+
 @dataclass(frozen=True)
 class MatchResult:
     """The longest cached prefix of a key: `length` tokens held in `slots`.
@@ -28,7 +35,7 @@ class MatchResult:
 
     length: int
     slots: list[int]
-    handle: object
+    handle: CacheHandle | None
 
 
 @dataclass(frozen=True)
@@ -44,7 +51,7 @@ class InsertResult:
 
     cached_length: int
     slots: list[int]
-    handle: object
+    handle: CacheHandle | None
 
 
 @dataclass(frozen=True)
@@ -84,15 +91,15 @@ class PrefixCache(Protocol):
         """Caches the page-aligned prefix of `tokens` with its `slots`; see InsertResult."""
         ...
 
-    def lock(self, handle: object) -> None:
+    def lock(self, handle: CacheHandle | None) -> None:
         """Protects the path from the root to `handle` from eviction (counted, re-entrant)."""
         ...
 
-    def unlock(self, handle: object) -> None:
+    def unlock(self, handle: CacheHandle | None) -> None:
         """Undoes one `lock` of the same handle."""
         ...
 
-    def pin(self, handle: object, expires_at: float) -> None:
+    def pin(self, handle: CacheHandle | None, expires_at: float) -> None:
         """Protects the path to `handle` from eviction until the clock passes `expires_at`."""
         ...
 

@@ -4,14 +4,14 @@ a chained hash, per-block reference counts, and an O(1) LRU queue of unreference
 
 from __future__ import annotations
 
-import sys
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from radixserve.cache.base import CacheStats, InsertResult, MatchResult, Namespace, ReleaseFn
-from radixserve.cache.pins import NOT_PINNED, PinBook
+from radixserve.cache.base import CacheHandle, InsertResult, MatchResult, Namespace, ReleaseFn
+from radixserve.cache.pins import NOT_PINNED, PinnableEntry
+from radixserve.cache.slot_cache import SlotCache
 
 # (parent block's hash, this block's tokens, namespace) -> this block's hash.
 BlockHashFn = Callable[[int, tuple[int, ...], Namespace], int]
@@ -25,7 +25,7 @@ def chained_block_hash(parent_hash: int, tokens: tuple[int, ...], namespace: Nam
 
 
 @dataclass(eq=False, slots=True)
-class _Block:
+class _Block(PinnableEntry):
     hash: int
     tokens: tuple[int, ...]
     slots: list[int] = field(repr=False)
@@ -33,17 +33,13 @@ class _Block:
     namespace: Namespace
     depth: int  # position in its chain, from 1
     ref_count: int = 0
-    pinned_until: float = NOT_PINNED
-    pin_seq: int = 0
-    pin_version: int = 0
-    alive: bool = True
 
     @property
     def num_tokens(self) -> int:
         return len(self.tokens)
 
 
-class BlockHashCache:
+class BlockHashCache(SlotCache[_Block]):
     """Hash-chained full blocks; see PrefixCache in base.py for the contract.
 
     A handle is the last block of a chain (None for an empty one); lock/unlock/pin walk the chain
@@ -55,28 +51,15 @@ class BlockHashCache:
     its children and is evicted after them: no cached block is ever left without its parent.
     """
 
-    stores_slots = True  # slots handed to insert belong to the cache (except duplicates)
-
-    def __init__(
-        self,
-        page_size: int,
-        release: ReleaseFn,
-        clock: Callable[[], float] = time.monotonic,
-        max_pinned_tokens: int | None = None,
-        hash_fn: BlockHashFn = chained_block_hash,
-    ) -> None:
-        if page_size <= 0:
-            raise ValueError("page_size must be positive")
-        self.page_size = page_size
-        self._release = release
-        self._clock = clock
+    def __init__(self, page_size: int, release: ReleaseFn,
+                 clock: Callable[[], float] = time.monotonic, max_pinned_tokens: int | None = None,
+                 hash_fn: BlockHashFn = chained_block_hash) -> None:
+        super().__init__(page_size, release, clock, max_pinned_tokens)
         self._hash_fn = hash_fn
-        self._pins: PinBook[_Block] = PinBook(max_pinned_tokens)
         # A list per hash, because distinct blocks may collide; almost always one long.
         self._table: dict[int, list[_Block]] = {}
         self._free: OrderedDict[_Block, None] = OrderedDict()  # unreferenced, unpinned; LRU first
         self._num_blocks = self._num_referenced = 0
-        self._inserted_total = self._evicted_total = 0
 
     def match_prefix(self, namespace: Namespace, tokens: Sequence[int]) -> MatchResult:
         chain = self._lookup(namespace, tokens)
@@ -120,14 +103,14 @@ class BlockHashCache:
         slots_out = [s for block in chain for s in block.slots] + list(slots[cached:end])
         return InsertResult(cached_length=cached, slots=slots_out, handle=parent)
 
-    def lock(self, handle: object) -> None:
+    def lock(self, handle: CacheHandle | None) -> None:
         for block in self._chain(handle):
             if block.ref_count == 0:
                 self._num_referenced += 1
                 self._free.pop(block, None)
             block.ref_count += 1
 
-    def unlock(self, handle: object) -> None:
+    def unlock(self, handle: CacheHandle | None) -> None:
         chain = self._chain(handle)
         # Parents hold at least the last block's count, so checking it checks the chain.
         if chain and chain[0].ref_count <= 0:
@@ -139,18 +122,14 @@ class BlockHashCache:
                 if block.pinned_until == NOT_PINNED:
                     self._free[block] = None
 
-    def pin(self, handle: object, expires_at: float) -> None:
-        """Pins the chain until the clock passes `expires_at`; a no-op for an evicted handle."""
-        now = self._clock()
-        self._expire_pins(now)
-        if handle is None or not self._block(handle).alive or expires_at < now:
-            return
-        seq = self._pins.new_pin()
-        for block in self._chain(handle):
-            self._free.pop(block, None)
-            self._pins.pin(block, expires_at, seq)
-        for block in self._pins.over_bound():
-            self._unpin(block)
+    def _pin_path(self, handle: CacheHandle | None) -> list[_Block]:
+        if handle is None or not self._block(handle).alive:
+            return []
+        return self._chain(handle)
+
+    def _pin_entry(self, entry: _Block, expires_at: float, seq: int) -> None:
+        self._free.pop(entry, None)
+        self._pins.pin(entry, expires_at, seq)
 
     def evict(self, num_tokens: int) -> int:
         self._expire_pins(self._clock())
@@ -168,22 +147,11 @@ class BlockHashCache:
         self._evicted_total += freed
         return freed
 
-    def stats(self) -> CacheStats:
-        self._expire_pins(self._clock())
+    def _counts(self) -> tuple[int, int, int, int]:
         size = self.page_size
         free, referenced = len(self._free), self._num_referenced
-        return CacheStats(
-            evictable_tokens=free * size,
-            protected_tokens=referenced * size,
-            pinned_tokens=(self._num_blocks - free - referenced) * size,
-            nodes=self._num_blocks,
-            inserted_tokens_total=self._inserted_total,
-            evicted_tokens_total=self._evicted_total,
-        )
-
-    def reset(self) -> None:
-        """Drops every unreferenced, unpinned block; referenced and pinned chains stay."""
-        self.evict(sys.maxsize)
+        return (free * size, referenced * size, (self._num_blocks - free - referenced) * size,
+                self._num_blocks)
 
     def _lookup(self, namespace: Namespace, tokens: Sequence[int]) -> list[_Block]:
         """The longest chain of cached full blocks that spells the start of `tokens`."""
@@ -217,16 +185,12 @@ class BlockHashCache:
         if block.ref_count == 0:
             self._free[block] = None
 
-    def _expire_pins(self, now: float) -> None:
-        for block in self._pins.expired(now):
-            self._unpin(block)
-
-    def _block(self, handle: object) -> _Block:
+    def _block(self, handle: CacheHandle | None) -> _Block:
         if not isinstance(handle, _Block):
             raise TypeError(f"not a BlockHashCache handle: {handle!r}")
         return handle
 
-    def _chain(self, handle: object) -> list[_Block]:
+    def _chain(self, handle: CacheHandle | None) -> list[_Block]:
         """The chain ending at `handle`, deepest block first."""
         chain: list[_Block] = []
         block = None if handle is None else self._block(handle)

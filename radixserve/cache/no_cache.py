@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from radixserve.cache.base import CacheStats, InsertResult, MatchResult, Namespace
+from radixserve.cache.base import CacheHandle, CacheStats, InsertResult, MatchResult, Namespace
 
 
 class NoCache:
@@ -35,13 +35,13 @@ class NoCache:
         end = len(tokens) - len(tokens) % self.page_size
         return InsertResult(cached_length=0, slots=list(slots[:end]), handle=None)
 
-    def lock(self, handle: object) -> None:
+    def lock(self, handle: CacheHandle | None) -> None:
         pass
 
-    def unlock(self, handle: object) -> None:
+    def unlock(self, handle: CacheHandle | None) -> None:
         pass
 
-    def pin(self, handle: object, expires_at: float) -> None:
+    def pin(self, handle: CacheHandle | None, expires_at: float) -> None:
         pass
 
     def evict(self, num_tokens: int) -> int:

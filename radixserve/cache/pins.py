@@ -8,9 +8,22 @@ import heapq
 import itertools
 import math
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
+from radixserve.cache.base import CacheHandle
+
 NOT_PINNED = -math.inf
+
+
+@dataclass(eq=False, slots=True, kw_only=True)
+class PinnableEntry(CacheHandle):
+    """The pin state both caches' entries (tree nodes, hash blocks) carry; see Pinnable."""
+
+    pinned_until: float = NOT_PINNED
+    pin_seq: int = 0
+    pin_version: int = 0
+    alive: bool = True  # False once evicted: a handle to it may no longer be locked
 
 
 class Pinnable(Protocol):

@@ -8,17 +8,17 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import sys
 import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
-from radixserve.cache.base import CacheStats, InsertResult, MatchResult, Namespace, ReleaseFn
-from radixserve.cache.pins import NOT_PINNED, PinBook
+from radixserve.cache.base import CacheHandle, InsertResult, MatchResult, Namespace, ReleaseFn
+from radixserve.cache.pins import NOT_PINNED, PinnableEntry
+from radixserve.cache.slot_cache import SlotCache
 
 
 @dataclass(eq=False, slots=True)
-class _Node:
+class _Node(PinnableEntry):
     key: tuple[int, ...]  # the tokens on the edge into this node
     slots: list[int] = field(repr=False)  # their KV slots
     parent: _Node | None = field(repr=False)
@@ -28,17 +28,13 @@ class _Node:
     lock_ref: int = 0
     last_access: int = 0  # a logical tick, exact where wall clocks tie
     leaf_version: int = 0  # matches the one live record of this node in the leaf heap
-    pinned_until: float = NOT_PINNED
-    pin_seq: int = 0
-    pin_version: int = 0
-    alive: bool = True
 
     @property
     def num_tokens(self) -> int:
         return len(self.key)
 
 
-class RadixCache:
+class RadixCache(SlotCache[_Node]):
     """Radix tree over token runs; see PrefixCache in base.py for the contract.
 
     Only full pages are cached: match and insert lengths are multiples of `page_size`, and a
@@ -48,21 +44,10 @@ class RadixCache:
     plus the pins that expired since the last call.
     """
 
-    stores_slots = True  # slots handed to insert belong to the cache (except duplicates)
-
-    def __init__(
-        self,
-        page_size: int,
-        release: ReleaseFn,
-        clock: Callable[[], float] = time.monotonic,
-        max_pinned_tokens: int | None = None,
-    ) -> None:
-        if page_size <= 0:
-            raise ValueError("page_size must be positive")
-        self.page_size = page_size
-        self._release = release
-        self._clock = clock
-        self._pins: PinBook[_Node] = PinBook(max_pinned_tokens)
+    def __init__(self, page_size: int, release: ReleaseFn,
+                 clock: Callable[[], float] = time.monotonic,
+                 max_pinned_tokens: int | None = None) -> None:
+        super().__init__(page_size, release, clock, max_pinned_tokens)
         self._root = _Node(key=(), slots=[], parent=None, depth=0)
         self._tick = 0
         self._order = itertools.count()
@@ -70,7 +55,7 @@ class RadixCache:
         # only while the node is still an unlocked, unpinned leaf; others are skipped when popped.
         self._leaves: list[tuple[int, int, _Node, int]] = []
         self._evictable = self._protected = self._pinned = 0
-        self._nodes = self._inserted_total = self._evicted_total = 0
+        self._nodes = 0
 
     def match_prefix(self, namespace: Namespace, tokens: Sequence[int]) -> MatchResult:
         node, length, slots = self._descend(namespace, self._aligned(tokens))
@@ -103,7 +88,7 @@ class RadixCache:
             node = leaf
         return InsertResult(cached_length=cached, slots=cache_slots + new_slots, handle=node)
 
-    def lock(self, handle: object) -> None:
+    def lock(self, handle: CacheHandle | None) -> None:
         node = self._live_node(handle)
         while node is not self._root:
             self._count(node, -1)
@@ -111,7 +96,7 @@ class RadixCache:
             self._count(node, +1)
             node = node.parent
 
-    def unlock(self, handle: object) -> None:
+    def unlock(self, handle: CacheHandle | None) -> None:
         node = self._live_node(handle)
         # Ancestors hold at least the handle's count, so checking the handle checks the path.
         if node is not self._root and node.lock_ref <= 0:
@@ -123,21 +108,17 @@ class RadixCache:
             self._push_if_candidate(node)
             node = node.parent
 
-    def pin(self, handle: object, expires_at: float) -> None:
-        """Pins root→handle until the clock passes `expires_at`; a no-op for an evicted handle."""
-        node = self._node(handle)
-        now = self._clock()
-        self._expire_pins(now)
-        if not node.alive or expires_at < now:
-            return
-        seq = self._pins.new_pin()
-        while node is not self._root:
-            self._count(node, -1)
-            self._pins.pin(node, expires_at, seq)
-            self._count(node, +1)
-            node = node.parent
-        for old in self._pins.over_bound():
-            self._unpin(old)
+    def _pin_path(self, handle: CacheHandle | None) -> list[_Node]:
+        node, path = self._node(handle), []
+        while node.alive and node is not self._root:
+            path.append(node)
+            node = node.parent  # type: ignore[assignment]
+        return path
+
+    def _pin_entry(self, entry: _Node, expires_at: float, seq: int) -> None:
+        self._count(entry, -1)
+        self._pins.pin(entry, expires_at, seq)
+        self._count(entry, +1)
 
     def evict(self, num_tokens: int) -> int:
         self._expire_pins(self._clock())
@@ -158,20 +139,8 @@ class RadixCache:
         self._evicted_total += freed
         return freed
 
-    def stats(self) -> CacheStats:
-        self._expire_pins(self._clock())
-        return CacheStats(
-            evictable_tokens=self._evictable,
-            protected_tokens=self._protected,
-            pinned_tokens=self._pinned,
-            nodes=self._nodes,
-            inserted_tokens_total=self._inserted_total,
-            evicted_tokens_total=self._evicted_total,
-        )
-
-    def reset(self) -> None:
-        """Drops every unlocked, unpinned entry; locked and pinned paths stay."""
-        self.evict(sys.maxsize)
+    def _counts(self) -> tuple[int, int, int, int]:
+        return self._evictable, self._protected, self._pinned, self._nodes
 
     def _aligned(self, tokens: Sequence[int]) -> tuple[int, ...]:
         return tuple(tokens[: len(tokens) - len(tokens) % self.page_size])
@@ -248,10 +217,6 @@ class RadixCache:
         self._count(node, +1)
         self._push_if_candidate(node)
 
-    def _expire_pins(self, now: float) -> None:
-        for node in self._pins.expired(now):
-            self._unpin(node)
-
     def _is_candidate(self, node: _Node) -> bool:
         return (
             node.alive
@@ -272,12 +237,12 @@ class RadixCache:
             ]
             heapq.heapify(self._leaves)
 
-    def _node(self, handle: object) -> _Node:
+    def _node(self, handle: CacheHandle | None) -> _Node:
         if not isinstance(handle, _Node):
             raise TypeError(f"not a RadixCache handle: {handle!r}")
         return handle
 
-    def _live_node(self, handle: object) -> _Node:
+    def _live_node(self, handle: CacheHandle | None) -> _Node:
         node = self._node(handle)
         if not node.alive:
             raise ValueError("handle refers to an evicted node; lock it before relying on it")

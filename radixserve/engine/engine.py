@@ -1,5 +1,5 @@
 """The engine: owns the model, the KV pool, the prefix cache and the scheduler, and runs the
-step loop: schedule -> run the model -> sample -> update requests (finish, publish KV).
+step loop: schedule -> run (model and sampler) -> postprocess (every state change).
 
 Synchronous and single-threaded; `AsyncEngine` runs it beside an asyncio event loop.
 """
@@ -16,15 +16,21 @@ import torch
 
 from radixserve.cache import make_prefix_cache
 from radixserve.config import EngineConfig
+from radixserve.engine.detokenizer import Detokenizer
 from radixserve.engine.kv_pool import KVPool
-from radixserve.engine.request import Request, RequestStatus
+from radixserve.engine.postprocess import Postprocessor, make_output
+from radixserve.engine.request import Request
 from radixserve.engine.runner import ModelRunner
 from radixserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
-from radixserve.kernels import decode_attention_op, skinny_matmul_op
-from radixserve.model.default_model import resolve_model_path
-from radixserve.model.llama import LlamaModel
-from radixserve.model.loader import load_model_files
-from radixserve.outputs import CompletionOutput, RequestOutput
+from radixserve.engine.setup import (
+    build_attention,
+    kv_pool_pages,
+    load_model,
+    resolve_device,
+    resolve_dtype,
+)
+from radixserve.kernels.cpu import describe as describe_cpu
+from radixserve.outputs import RequestOutput
 from radixserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -46,31 +52,6 @@ class PoolStats:
         return self.free + self.evictable + self.protected + self.pinned + self.private == self.total
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def _cpu_has_fast_bf16() -> bool:
-    # bfloat16 matmuls beat float32 (about 2.4x on this project's machines) only where the CPU
-    # has native bf16 dot products; elsewhere they are emulated and slower.
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name != "auto":
-        return getattr(torch, name)
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16 if _cpu_has_fast_bf16() else torch.float32
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
@@ -79,68 +60,35 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        path = resolve_model_path(config.model)
-        loaded = load_model_files(path, progress=config.show_progress)
-        self.model_path = str(path)
-        self.model_config = loaded.config
-        self.tokenizer = loaded.tokenizer
-        with torch.device("meta"):
-            model = LlamaModel(loaded.config)
-        model.load_hf_weights(loaded.weights, self.dtype)
-        del loaded
-        self.model = model.to(self.device).eval()
-        mc = self.model_config
+        loaded = load_model(config, self.device, self.dtype)
+        self.model_path, self.model, self.tokenizer = loaded.path, loaded.model, loaded.tokenizer
+        self.model_config = mc = loaded.config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
                                  mc.max_position_embeddings)
-        bytes_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * self.dtype.itemsize
-        tokens = config.kv_cache_tokens or int(config.kv_cache_memory_gb * 2**30 // bytes_per_token)
-        num_pages = max(1, tokens // config.page_size)
-        self.pool = KVPool(mc.num_layers, num_pages, config.page_size, mc.num_kv_heads,
-                           mc.head_dim, self.dtype, self.device)
-        pinned = int(self.pool.num_slots * config.max_pinned_fraction)
+        self.pool = KVPool(mc.num_layers, kv_pool_pages(config, mc, self.dtype), config.page_size,
+                           mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
         self.cache = make_prefix_cache(config.prefix_cache, config.page_size,
                                        self.pool.allocator.release, clock=clock,
-                                       max_pinned_tokens=pinned)
+                                       max_pinned_tokens=int(self.pool.num_slots
+                                                             * config.max_pinned_fraction))
         self.scheduler = Scheduler(config, self.pool.allocator, self.cache, clock)
-        self.runner = ModelRunner(self.model, self.pool, self.device,
-                                  decode_kernel=self._kernel(
-                                      "attention_backend", config.attention_backend,
-                                      (torch.float32, torch.bfloat16), decode_attention_op,
-                                      "a CPU device and float32 or bfloat16"),
-                                  matmul_kernel=self._kernel(
-                                      "matmul_backend", config.matmul_backend,
-                                      (torch.bfloat16,), skinny_matmul_op,
-                                      "a CPU with AVX512-BF16 and bfloat16"))
+        attention = build_attention(config, mc, self.pool.num_slots, self.device, self.dtype)
+        # Requests without a seed of their own draw from this one generator (vLLM's rule).
+        generator = torch.Generator().manual_seed(config.seed)
+        self.runner = ModelRunner(self.model, self.pool, attention, self.device, generator)
+        self.detokenizer = Detokenizer(self.tokenizer, self.max_model_len)
+        self.postprocessor = Postprocessor(self.scheduler, self.detokenizer, clock)
         self.groups: dict[str, list[Request]] = {}
-        self.computed_tokens_total = 0  # every token run through the model
-        self.step_count = 0
-        # Cumulative seconds: scheduling and cache bookkeeping vs. the model (with sampling).
+        # Cumulative seconds: scheduling and bookkeeping vs the model with sampling.
         self.bookkeeping_seconds = 0.0
         self.model_seconds = 0.0
         logger.info(
-            "model %s (%s, %s on %s): KV pool %d tokens in pages of %d, prefix cache %s, "
-            "decode attention %s, matmuls of few rows %s",
+            "model %s (%s, %s on %s, CPU %s): KV pool %d tokens in pages of %d, prefix cache "
+            "%s; attention: %s; projections: %s",
             self.model_path, mc.architecture, str(self.dtype).removeprefix("torch."),
-            self.device, self.pool.num_slots, config.page_size, config.prefix_cache,
-            "kernel" if self.runner.decode_kernel else "torch",
-            "kernel" if self.runner.matmul_kernel else "torch",
+            self.device, describe_cpu(), self.pool.num_slots, config.page_size,
+            config.prefix_cache, attention.name, self.model.linear_method.name,
         )
-
-    def _kernel(
-        self, setting: str, backend: str, dtypes: tuple[torch.dtype, ...],
-        load: Callable[[], Callable[..., torch.Tensor] | None], needs: str,
-    ) -> Callable[..., torch.Tensor] | None:
-        """A C++ kernel's op when `backend` asks for it and it applies to this engine; with
-        backend "kernel", a clear error where it cannot."""
-        if backend == "torch":
-            return None
-        applies = self.device.type == "cpu" and self.dtype in dtypes
-        op = load() if applies else None
-        if op is None and backend == "kernel":
-            where = "" if applies else f" (this engine runs {self.dtype} on {self.device})"
-            raise ValueError(f"{setting}='kernel' needs {needs}, and a C++ compiler to build "
-                             f"the kernel{where}")
-        return op
 
     # ----- requests -----
 
@@ -157,7 +105,6 @@ class LLMEngine:
         `namespace` (a tenant's cache_salt) keeps its cache entries apart from other tenants'.
         `pins` are (prompt offset, TTL seconds) breakpoints whose prefixes stay cached that long.
         """
-        params.validate()
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -169,7 +116,7 @@ class LLMEngine:
         group = [
             Request(f"{request_id}-{i}" if params.n > 1 else request_id, ids, params,
                     namespace=(self.config.model, namespace), prompt=text, sample_index=i,
-                    arrival_time=self.clock(), pins=list(pins or []))
+                    arrival_time=self.clock(), pins=list(pins or []), group_id=request_id)
             for i in range(params.n)
         ]
         self.groups[request_id] = group
@@ -178,7 +125,10 @@ class LLMEngine:
         return request_id
 
     def check_prompt(self, ids: list[int], params: SamplingParams) -> None:
-        """Raises ValueError when the prompt cannot be served (empty, too long, bad ids)."""
+        """The one check of a request against this engine: its sampling params, and a prompt
+        that can be served (not empty, ids in the vocabulary, fits the context and the pool).
+        Raises ValueError naming the problem."""
+        params.validate(self.model_config.vocab_size)
         if not ids:
             raise ValueError("the prompt is empty")
         vocab = self.model_config.vocab_size
@@ -212,125 +162,32 @@ class LLMEngine:
         if plan.empty:
             self._check_invariants()
             return []
-        self.step_count += 1
-        if self.config.debug_invariants:
-            stale = [r.request_id for r in self.scheduler.running if not r.slot_mirror_ok()]
-            assert not stale, f"slot mirrors out of step with slot tables: {stale}"
-        progressed: set[str] = set()
+        self._check_slot_mirrors()
         model_started = time.perf_counter()
         try:
-            result = self.runner.run(plan, self._banned_tokens)
+            result = self.runner.run(plan, self.detokenizer.banned_tokens)
         except Exception:
             # A failed forward pass leaves undefined KV in the scheduled requests' slots: fail
             # them without publishing that KV, and keep serving the rest.
-            failed = list(plan.decodes) + [c.request for c in plan.prefills]
-            logger.exception("forward pass failed; failing %d requests", len(failed))
-            for request in failed:
-                self.scheduler.finish(request, "error", keep_kv=False)
-                progressed.add(self._group_id(request))
-            return self._outputs(progressed)
+            logger.exception("forward pass failed; failing %d requests", plan.num_requests)
+            return self._outputs(self.scheduler.fail(plan))
         model_done = time.perf_counter()
+        outputs = self._outputs(self.postprocessor.apply(plan, result))
         self.model_seconds += model_done - model_started
-        self.computed_tokens_total += plan.num_tokens
-        for chunk in plan.prefills:
-            chunk.request.num_computed += chunk.num_tokens
-            self.scheduler.counters.computed_prompt_tokens += chunk.num_tokens
-            self.scheduler.publish(chunk.request)
-        for request in plan.decodes:
-            request.num_computed += 1
-        now = self.clock()
-        for request, token, logprob in zip(
-            result.sampled, result.samples.token_ids, result.samples.logprobs, strict=True
-        ):
-            if request.metrics.first_token_time is None:
-                request.metrics.first_token_time = now
-            request.output_token_ids.append(token)
-            if logprob is not None:
-                request.output_logprobs.append(logprob)
-            self._check_stop(request)
-            progressed.add(self._group_id(request))
-        outputs = self._outputs(progressed)
         self.bookkeeping_seconds += (model_started - started) + (time.perf_counter() - model_done)
         return outputs
 
-    def _group_id(self, request: Request) -> str:
-        if request.params.n == 1:
-            return request.request_id
-        return request.request_id.rsplit("-", 1)[0]
-
-    def _banned_tokens(self, request: Request) -> set[int] | None:
-        if len(request.output_token_ids) >= request.params.min_tokens:
-            return None
-        return set(request.params.stop_token_ids) | (
-            set() if request.params.ignore_eos else self.tokenizer.stop_token_ids
-        )
-
-    def _check_stop(self, request: Request) -> None:
-        params = request.params
-        token = request.output_token_ids[-1]
-        reason: str | None = None
-        stop_reason: str | int | None = None
-        if not params.ignore_eos and token in self.tokenizer.stop_token_ids:
-            reason, stop_reason = "stop", token
-        elif token in params.stop_token_ids:
-            reason, stop_reason = "stop", token
-        text = self.tokenizer.decode(request.output_token_ids)
-        if reason is None and params.stop:
-            # Only the new text (plus a stop string's length of overlap) can hold a new match.
-            overlap = max(len(s) for s in params.stop)  # type: ignore[union-attr]
-            begin = max(0, len(request.output_text) - overlap)
-            hits = [(text.find(s, begin), s) for s in params.stop if text.find(s, begin) >= 0]  # type: ignore[union-attr]
-            if hits:
-                cut, stop_string = min(hits)
-                text = text[:cut]
-                reason, stop_reason = "stop", stop_string
-        if text.endswith("\ufffd") and reason is None:
-            # An incomplete UTF-8 sequence: hold it back until the next token completes it.
-            text = text.rstrip("\ufffd")
-        request.output_text = text
-        if reason is None and len(request.output_token_ids) >= params.max_tokens:
-            reason = "length"
-        if reason is None and request.num_tokens >= self.max_model_len:
-            reason = "length"
-        if reason is not None:
-            request.stop_reason = stop_reason
-            request.metrics.finished_time = self.clock()
-            self.scheduler.finish(request, reason)
-
-    def _outputs(self, group_ids: set[str]) -> list[RequestOutput]:
+    def _outputs(self, progressed: list[Request]) -> list[RequestOutput]:
         outputs = []
-        for gid in group_ids:
-            group = self.groups.get(gid)
+        for group_id in dict.fromkeys(r.group_id for r in progressed):
+            group = self.groups.get(group_id)
             if group is None:
                 continue
-            output = self.make_output(gid, group)
+            output = make_output(group_id, group)
             if output.finished:
-                del self.groups[gid]
+                del self.groups[group_id]
             outputs.append(output)
         return outputs
-
-    def make_output(self, group_id: str, group: list[Request]) -> RequestOutput:
-        first = group[0]
-        completions = [
-            CompletionOutput(
-                index=r.sample_index,
-                text=r.output_text,
-                token_ids=list(r.output_token_ids),
-                finish_reason=r.finish_reason,
-                stop_reason=r.stop_reason,
-                logprobs=list(r.output_logprobs) if r.params.logprobs is not None else None,
-            )
-            for r in group
-        ]
-        return RequestOutput(
-            request_id=group_id,
-            prompt=first.prompt,
-            prompt_token_ids=first.prompt_token_ids,
-            outputs=completions,
-            finished=all(r.status is RequestStatus.FINISHED for r in group),
-            num_cached_tokens=first.num_cached_tokens or 0,
-            metrics=first.metrics,
-        )
 
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
         """Float32 next-token logits after `token_ids`, by one uncached prefill (for scoring and
@@ -344,8 +201,7 @@ class LLMEngine:
         request.slots = self.pool.allocator.allocate(pages)
         try:
             plan = SchedulerOutput(prefills=[ScheduledChunk(request, len(token_ids))])
-            batch, _ = self.runner.build_batch(plan)
-            return self.model(batch, self.pool.k, self.pool.v)[0]
+            return self.runner.forward(plan)[0][0]
         finally:
             self.pool.allocator.release(request.slots)
 
@@ -361,6 +217,11 @@ class LLMEngine:
             pinned=cache.pinned_tokens,
             private=self.scheduler.private_slots(),
         )
+
+    def _check_slot_mirrors(self) -> None:
+        if self.config.debug_invariants:
+            stale = [r.request_id for r in self.scheduler.running if not r.slot_mirror_ok()]
+            assert not stale, f"slot mirrors out of step with slot tables: {stale}"
 
     def _check_invariants(self) -> None:
         if not self.config.debug_invariants:

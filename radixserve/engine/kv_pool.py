@@ -11,6 +11,8 @@ from collections.abc import Sequence
 
 import torch
 
+from radixserve.layers.attention import LayerKV
+
 
 class OutOfSlots(RuntimeError):
     """Raised when an allocation asks for more pages than are free."""
@@ -103,14 +105,9 @@ class KVPool:
         device: torch.device | str,
     ) -> None:
         self.allocator = PageAllocator(num_pages, page_size)
-        shape = (num_kv_heads, num_pages * page_size, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-
-    @property
-    def page_size(self) -> int:
-        return self.allocator.page_size
-
-    @property
-    def num_slots(self) -> int:
-        return self.allocator.num_slots
+        self.page_size = page_size
+        self.num_slots = num_pages * page_size
+        shape = (num_kv_heads, self.num_slots, head_dim)
+        self.layers = [LayerKV(torch.zeros(shape, dtype=dtype, device=device),
+                               torch.zeros(shape, dtype=dtype, device=device))
+                       for _ in range(num_layers)]

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from radixserve.outputs import RequestMetrics
+from radixserve.cache.base import CacheHandle
+from radixserve.outputs import FinishReason, RequestMetrics
 from radixserve.sampling_params import SamplingParams
 
 
@@ -31,13 +32,17 @@ class Request:
     params: SamplingParams
     namespace: Hashable = None
     prompt: str | None = None
-    # The index of this sample among the n of one user request (n > 1 runs n Requests).
+    # The index of this sample among the n of one user request (n > 1 runs n Requests), and
+    # that user request's id (the request's own id when n == 1).
     sample_index: int = 0
+    group_id: str = ""
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
+    # prompt + output tokens in one list, grown by `append_output` (read in every step).
+    token_ids: list[int] = field(init=False)
     output_logprobs: list[tuple[float, dict[int, float]]] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     _slots: list[int] = field(default_factory=list, repr=False)
     # An int32 copy of the leading slots for the decode kernel, extended lazily: appending a
@@ -48,9 +53,8 @@ class Request:
     _slots_mirrored: int = field(default=0, repr=False)
     num_computed: int = 0  # leading tokens whose K/V are in `slots`
     cache_len: int = 0  # leading slots owned by the prefix cache
-    cache_handle: object | None = None
+    cache_handle: CacheHandle | None = None
     num_cached_tokens: int | None = None  # prefix-cache hit at first admission
-    num_preemptions: int = 0
     # cache_control breakpoints still to pin: (prompt token offset, TTL in seconds). The prefix
     # up to each offset is pinned in the cache once published, until arrival + TTL.
     pins: list[tuple[int, float]] = field(default_factory=list)
@@ -61,6 +65,8 @@ class Request:
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+        self.token_ids = self.prompt_token_ids + self.output_token_ids
+        self.group_id = self.group_id or self.request_id
         if self.params.seed is not None:
             self.generator = torch.Generator()
             self.generator.manual_seed(self.params.seed + self.sample_index)
@@ -98,13 +104,13 @@ class Request:
         have = self._slots_mirrored
         return have <= len(self._slots) and self._slot_array[:have].tolist() == self._slots[:have]
 
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+    def append_output(self, token: int) -> None:
+        self.output_token_ids.append(token)
+        self.token_ids.append(token)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.token_ids)
 
     @property
     def num_private_slots(self) -> int:
@@ -120,5 +126,4 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
     def token_at(self, position: int) -> int:
-        n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
+        return self.token_ids[position]

@@ -18,6 +18,8 @@ from radixserve.cache.base import PrefixCache
 from radixserve.config import EngineConfig
 from radixserve.engine.kv_pool import OutOfSlots, PageAllocator
 from radixserve.engine.request import Request, RequestStatus
+from radixserve.outputs import FinishReason
+from radixserve.prefix import common_prefix_len
 
 
 @dataclass
@@ -42,6 +44,10 @@ class SchedulerOutput:
         return len(self.decodes) + sum(c.num_tokens for c in self.prefills)
 
     @property
+    def num_requests(self) -> int:
+        return len(self.decodes) + len(self.prefills)
+
+    @property
     def empty(self) -> bool:
         return not self.decodes and not self.prefills
 
@@ -54,19 +60,6 @@ class SchedulerCounters:
     prefix_cache_hits: int = 0  # of those, tokens found in the cache
     computed_prompt_tokens: int = 0  # prompt tokens actually run through the model
     preemptions: int = 0
-
-
-def common_prefix_len(a: list[int], b: list[int], start: int = 0, limit: int | None = None) -> int:
-    """Length of the common prefix of a and b (at most `limit`), given they agree on [0, start)."""
-    lo, hi = start, min(len(a), len(b), limit if limit is not None else len(a))
-    # Binary search on slice equality: each comparison runs in C, so this is fast in Python.
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[lo:mid] == b[lo:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 class Scheduler:
@@ -94,7 +87,7 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def finish(self, request: Request, reason: str, keep_kv: bool = True) -> None:
+    def finish(self, request: Request, reason: FinishReason, keep_kv: bool = True) -> None:
         """Ends a request wherever it is; releases every slot and lock it holds, once.
 
         `keep_kv=False` (the forward pass failed) leaves its KV out of the cache.
@@ -119,19 +112,24 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            todo = request.num_tokens - request.num_computed
-            if todo == 1:
-                if not self._grow(request, out):
-                    continue  # the request itself was preempted
-                out.decodes.append(request)
-                budget -= 1
-            else:
-                chunk = min(todo, budget)
-                out.prefills.append(ScheduledChunk(request, chunk))
-                budget -= chunk
+            if not request.is_prefilling and not self._grow(request, out):
+                continue  # the request itself was preempted
+            budget -= self._schedule_tokens(request, out, budget)
         if not out.preempted:  # admitting while preempting would thrash
             self._admit(out, budget)
         return out
+
+    @staticmethod
+    def _schedule_tokens(request: Request, out: SchedulerOutput, budget: int) -> int:
+        """Adds the request's next tokens to the step (one decode token, or a prefill chunk
+        within `budget`); returns how many."""
+        todo = request.num_tokens - request.num_computed
+        if todo == 1:
+            out.decodes.append(request)
+            return 1
+        chunk = min(todo, budget)
+        out.prefills.append(ScheduledChunk(request, chunk))
+        return chunk
 
     def _grow(self, request: Request, out: SchedulerOutput) -> bool:
         """Gives `request` a slot for its next token, preempting newer requests if needed."""
@@ -158,13 +156,30 @@ class Scheduler:
         self.running.remove(request)
         self._release(request, publish=True)
         request.status = RequestStatus.WAITING
-        request.num_preemptions += 1
         self.counters.preemptions += 1
         self.waiting.appendleft(request)
         out.preempted.append(request)
         if request in out.decodes:
             out.decodes.remove(request)
         out.prefills = [c for c in out.prefills if c.request is not request]
+
+    def advance(self, plan: SchedulerOutput) -> None:
+        """Records that the plan's tokens were computed. Prefill chunks publish their KV into
+        the cache at once, so concurrent requests hit it instead of computing it again."""
+        for chunk in plan.prefills:
+            chunk.request.num_computed += chunk.num_tokens
+            self.counters.computed_prompt_tokens += chunk.num_tokens
+            self.publish(chunk.request)
+        for request in plan.decodes:
+            request.num_computed += 1
+
+    def fail(self, plan: SchedulerOutput) -> list[Request]:
+        """Ends every request of a step whose forward pass failed: its KV is undefined, so
+        none of it is published. Returns those requests."""
+        failed = list(plan.decodes) + [c.request for c in plan.prefills]
+        for request in failed:
+            self.finish(request, "error", keep_kv=False)
+        return failed
 
     # ----- admission -----
 
@@ -177,14 +192,7 @@ class Scheduler:
             admitted = self._try_admit(request)
             if admitted is None:
                 return  # out of memory: later requests would not fit either
-            todo = request.num_tokens - request.num_computed
-            if todo == 1:
-                out.decodes.append(request)
-                budget -= 1
-            else:
-                chunk = min(todo, budget)
-                out.prefills.append(ScheduledChunk(request, chunk))
-                budget -= chunk
+            budget -= self._schedule_tokens(request, out, budget)
 
     def _admission_order(self) -> list[Request]:
         if self.config.schedule_policy == "fcfs" or len(self.waiting) <= 1:
@@ -198,7 +206,7 @@ class Scheduler:
         fresh = [r for r in scan if now - r.arrival_time < self.config.lpm_max_wait_s]
         limit = [r.num_tokens - 1 for r in fresh]
         hits = [
-            self.cache.match_prefix(r.namespace, r.all_token_ids[:n]).length
+            self.cache.match_prefix(r.namespace, r.token_ids[:n]).length
             for r, n in zip(fresh, limit, strict=True)
         ]
         fresh = [r for _, r in sorted(zip(hits, fresh, strict=True), key=lambda p: -p[0])]
@@ -213,11 +221,11 @@ class Scheduler:
         if not self.cache.stores_slots:
             return False
         need = self.config.dedup_min_tokens
-        tokens = request.all_token_ids
+        tokens = request.token_ids
         for other in self.running:
             if other.namespace != request.namespace or not other.is_prefilling:
                 continue
-            shared = common_prefix_len(tokens, other.all_token_ids)
+            shared = common_prefix_len(tokens, other.token_ids)
             if shared - other.num_computed >= need:
                 return True
         return False
@@ -225,7 +233,7 @@ class Scheduler:
     def _try_admit(self, request: Request) -> Request | None:
         # Check, lock, re-check, allocate: locking the match takes it out of what eviction
         # could free, so the budget is computed after the lock.
-        match = self.cache.match_prefix(request.namespace, request.all_token_ids[: request.num_tokens - 1])
+        match = self.cache.match_prefix(request.namespace, request.token_ids[: request.num_tokens - 1])
         self.cache.lock(match.handle)
         need_tokens = request.num_tokens - match.length
         need_pages = -(-need_tokens // self.page_size)
@@ -269,7 +277,7 @@ class Scheduler:
         if aligned <= request.cache_len:
             return
         result = self.cache.insert(
-            request.namespace, request.all_token_ids[:aligned], request.slots[:aligned]
+            request.namespace, request.token_ids[:aligned], request.slots[:aligned]
         )
         duplicates: list[int] = []
         for i in range(request.cache_len, aligned):
@@ -295,7 +303,7 @@ class Scheduler:
             if aligned > request.cache_len:
                 waiting.append((offset, ttl))
             elif aligned > 0:
-                match = self.cache.match_prefix(request.namespace, request.all_token_ids[:aligned])
+                match = self.cache.match_prefix(request.namespace, request.token_ids[:aligned])
                 self.cache.pin(match.handle, request.arrival_time + ttl)
         request.pins = waiting
 

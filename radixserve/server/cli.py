@@ -20,6 +20,7 @@ from radixserve.config import (
     ATTENTION_BACKENDS,
     DTYPES,
     MATMUL_BACKENDS,
+    PREFILL_ATTENTION_BACKENDS,
     PREFIX_CACHE_MODES,
     SCHEDULE_POLICIES,
     EngineConfig,
@@ -85,12 +86,18 @@ def _model_flags(model: argparse._ArgumentGroup) -> None:
                        help="decode attention: kernel (C++, reads the paged KV pool in place; "
                             "CPU, float32/bfloat16), torch (PyTorch ops, any device), auto "
                             "(kernel where it applies and compiles)")
+    model.add_argument("--prefill-attention-backend", choices=PREFILL_ATTENTION_BACKENDS,
+                       default="auto",
+                       help="prefill attention: blocked (blocked causal attention on bfloat16 "
+                            "matmuls; CPU, bfloat16/float16), sdpa (PyTorch's SDPA, any "
+                            "device), auto (blocked where it applies)")
     model.add_argument("--matmul-backend", choices=MATMUL_BACKENDS, default="auto",
                        help="projections of steps with at most 48 tokens (decode): kernel (C++, "
                             "bfloat16 on CPUs with AVX512-BF16), torch (nn.Linear), auto")
     model.add_argument("--num-threads", type=int, default=None,
                        help="torch CPU threads; unset: torch's default")
-    model.add_argument("--seed", type=int, default=0, help="engine seed")
+    model.add_argument("--seed", type=int, default=0,
+                       help="seeds sampling for requests that send no seed of their own")
 
 
 def _cache_flags(cache: argparse._ArgumentGroup) -> None:

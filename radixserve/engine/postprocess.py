@@ -1,0 +1,66 @@
+"""Every state change a step makes, in one place: computed tokens and cache publishing (the
+scheduler's books), sampled tokens, text and stop conditions, finishes, first-token times; then
+the step's outputs, one per request group that progressed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from radixserve.engine.detokenizer import Detokenizer
+from radixserve.engine.request import Request, RequestStatus
+from radixserve.engine.runner import StepResult
+from radixserve.engine.scheduler import Scheduler, SchedulerOutput
+from radixserve.outputs import CompletionOutput, RequestOutput
+
+
+class Postprocessor:
+    def __init__(self, scheduler: Scheduler, detokenizer: Detokenizer,
+                 clock: Callable[[], float]) -> None:
+        self.scheduler = scheduler
+        self.detokenizer = detokenizer
+        self.clock = clock
+
+    def apply(self, plan: SchedulerOutput, result: StepResult) -> list[Request]:
+        """Applies a step that ran; returns the requests that got a token."""
+        self.scheduler.advance(plan)
+        now = self.clock()
+        samples = result.samples
+        for request, token, logprob in zip(result.sampled, samples.token_ids, samples.logprobs,
+                                           strict=True):
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+            request.append_output(token)
+            if logprob is not None:
+                request.output_logprobs.append(logprob)
+            stop = self.detokenizer.update(request)
+            if stop is not None:
+                request.stop_reason = stop.stop_reason
+                request.metrics.finished_time = now
+                self.scheduler.finish(request, stop.reason)
+        return result.sampled
+
+
+def make_output(group_id: str, group: list[Request]) -> RequestOutput:
+    """The user-facing result of one request group (n samples of one prompt), so far."""
+    first = group[0]
+    completions = [
+        CompletionOutput(
+            index=r.sample_index,
+            text=r.output_text,
+            token_ids=list(r.output_token_ids),
+            finish_reason=r.finish_reason,
+            stop_reason=r.stop_reason,
+            logprobs=list(r.output_logprobs) if r.params.logprobs is not None else None,
+        )
+        for r in group
+    ]
+    return RequestOutput(
+        request_id=group_id,
+        prompt=first.prompt,
+        prompt_token_ids=first.prompt_token_ids,
+        outputs=completions,
+        finished=all(r.status is RequestStatus.FINISHED for r in group),
+        num_cached_tokens=first.num_cached_tokens or 0,
+        metrics=first.metrics,
+    )

@@ -1,0 +1,71 @@
+"""Building an engine's parts from its config: device and dtype, the model with its linear
+method, the KV pool's size and the attention backends. Logged once, at start-up.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from radixserve.config import EngineConfig
+from radixserve.kernels.cpu import has_fast_bf16
+from radixserve.layers.attention import AttentionEnv, StepAttention, choose_attention
+from radixserve.layers.linear import choose_linear_method
+from radixserve.model.config import ModelConfig
+from radixserve.model.default_model import resolve_model_path
+from radixserve.model.llama import LlamaModel
+from radixserve.model.loader import load_model_files
+from radixserve.model.tokenizer import ChatTokenizer
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if has_fast_bf16() else torch.float32
+
+
+@dataclass(frozen=True)
+class EngineModel:
+    path: str
+    model: LlamaModel
+    config: ModelConfig
+    tokenizer: ChatTokenizer
+
+
+def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> EngineModel:
+    """The model's weights in `dtype` on `device`, its projections run by the linear method
+    the config asks for (a clear ValueError where that method cannot run here)."""
+    linear = choose_linear_method(config.matmul_backend, device, dtype)
+    path = resolve_model_path(config.model)
+    files = load_model_files(path, progress=config.show_progress)
+    with torch.device("meta"):
+        model = LlamaModel(files.config, linear)
+    model.load_hf_weights(files.weights, dtype)
+    return EngineModel(str(path), model.to(device).eval(), files.config, files.tokenizer)
+
+
+def kv_pool_pages(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) -> int:
+    """Pages of the KV pool: `kv_cache_tokens`, or what fits in `kv_cache_memory_gb`."""
+    bytes_per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * dtype.itemsize
+    tokens = config.kv_cache_tokens or int(config.kv_cache_memory_gb * 2**30 // bytes_per_token)
+    return max(1, tokens // config.page_size)
+
+
+def build_attention(config: EngineConfig, model: ModelConfig, num_slots: int,
+                    device: torch.device, dtype: torch.dtype) -> StepAttention:
+    env = AttentionEnv(num_heads=model.num_heads, num_kv_heads=model.num_kv_heads,
+                       head_dim=model.head_dim, window=model.sliding_window,
+                       num_slots=num_slots, device=device, dtype=dtype)
+    return choose_attention(env, config.attention_backend, config.prefill_attention_backend)

@@ -1,0 +1,119 @@
+"""Projections and the methods that run them.
+
+A model's projection is a `Linear` layer holding its weight; how `y = x W^T + b` is computed
+is its `LinearMethod`'s business, so a layer never knows whether it runs on oneDNN, on our
+skinny bfloat16 kernel or (next) on quantized weights. A method may repack the weights once
+after loading (`prepare`) and decides per call, from the input's shape, which path to take.
+
+Adding a method: subclass `LinearMethod` (its `name`, `unavailable(device, dtype)`,
+`apply(layer, x)`, optionally `prepare(layer)`), then add it to `LINEAR_METHODS`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixserve.kernels import SKINNY_MAX_ROWS, skinny_matmul_op
+
+
+class LinearMethod(ABC):
+    name: ClassVar[str]
+
+    @classmethod
+    def unavailable(cls, device: torch.device, dtype: torch.dtype) -> str | None:
+        """Why this method cannot run here (None: it can)."""
+        return None
+
+    def prepare(self, layer: Linear) -> None:  # noqa: B027 (a hook most methods leave alone)
+        """Once, after the layer's weights are loaded and cast (repacking goes here)."""
+
+    @abstractmethod
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, in_features] -> [rows, out_features]."""
+
+
+class DenseLinear(LinearMethod):
+    """nn.Linear's arithmetic (oneDNN on CPU, cuBLAS on CUDA)."""
+
+    name = "torch"
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, layer.weight, layer.bias)
+
+
+class SkinnyLinear(DenseLinear):
+    """Our C++ bfloat16 matmul for inputs of at most SKINNY_MAX_ROWS rows (decode steps):
+    it streams each weight matrix once, where oneDNN reads the weights at well under half the
+    memory bandwidth at these row counts. Larger inputs, and shapes the kernel does not take
+    (in_features % 32, out_features % 16), go to oneDNN."""
+
+    name = "kernel"
+
+    def __init__(self, op: Callable[..., torch.Tensor] | None = None) -> None:
+        found = op or skinny_matmul_op()
+        if found is None:
+            raise ValueError("the skinny matmul kernel could not be built here")
+        self.op: Callable[..., torch.Tensor] = found
+
+    @classmethod
+    def unavailable(cls, device: torch.device, dtype: torch.dtype) -> str | None:
+        if device.type != "cpu" or dtype != torch.bfloat16 or skinny_matmul_op() is None:
+            return (f"a CPU with AVX512-BF16 and bfloat16 (this engine runs "
+                    f"{str(dtype).removeprefix('torch.')} on {device})")
+        return None
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if (x.shape[0] <= SKINNY_MAX_ROWS and layer.in_features % 32 == 0
+                and layer.out_features % 16 == 0):
+            return self.op(x.contiguous(), layer.weight, layer.bias)
+        return super().apply(layer, x)
+
+
+# In preference order: `auto` takes the first available.
+LINEAR_METHODS: list[type[LinearMethod]] = [SkinnyLinear, DenseLinear]
+
+
+def choose_linear_method(name: str, device: torch.device, dtype: torch.dtype) -> LinearMethod:
+    """The method for setting `matmul_backend`: a named one, or with "auto" the first that
+    runs here; a clear ValueError where the named one cannot."""
+    for method in LINEAR_METHODS:
+        if name not in ("auto", method.name):
+            continue
+        reason = method.unavailable(device, dtype)
+        if reason is None:
+            return method()
+        if name != "auto":
+            raise ValueError(f"matmul_backend={name!r} needs {reason}")
+    if name == "auto":
+        return DenseLinear()
+    raise ValueError(f"unknown matmul_backend {name!r}; known: auto, "
+                     f"{', '.join(m.name for m in LINEAR_METHODS)}")
+
+
+class Linear(nn.Module):
+    """A projection: weight [out, in] and optional bias, computed by `method`."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool,
+                 method: LinearMethod) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias: nn.Parameter | None
+        self.register_parameter("bias", nn.Parameter(torch.empty(out_features)) if bias else None)
+        self.method = method
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.method.apply(self, x)
