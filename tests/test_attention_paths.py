@@ -4,6 +4,7 @@
   for chunks that start at 0 and mid-context, lengths off the block size, and GQA.
 - KV reads through a gather plan (views of slot runs + one index_select) against reading
   every slot one by one.
+- The attention backend chooser: auto takes the first backend that runs here, per role.
 - The page allocator's contiguous first-fit: fresh and freed runs come back as one run, a
   fragmented pool gives its lowest pages in order, and the books always balance.
 """
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from radixserve.engine.kv_pool import KVPool, OutOfSlots, PageAllocator
-from radixserve.layers.attention import AttentionEnv
+from radixserve.layers.attention import BACKENDS, AttentionEnv, choose_attention, choose_backend
 from radixserve.layers.attention.blocked_prefill import BlockedPrefill
 from radixserve.layers.attention.gather import GatherPlanner, KVGather, slot_run
 
@@ -157,3 +158,23 @@ def test_allocator_books_balance_under_random_use():
     pool.release(slots)
     with pytest.raises(AssertionError, match="double free"):
         pool.release(slots)
+
+
+def test_one_chooser_picks_each_role_by_setting_and_place():
+    # auto takes the first backend of its role that runs here; a named one that cannot run is
+    # refused with the setting's name, never swapped for another.
+    cpu_bf16, cpu_f32 = _env(torch.bfloat16), _env(torch.float32)
+    cuda = AttentionEnv(6, 2, 32, None, 4096, torch.device("cuda"), torch.bfloat16)
+    assert choose_backend("prefill", "auto", cpu_bf16).name == "blocked"
+    assert choose_backend("prefill", "auto", cpu_f32).name == "sdpa"
+    assert choose_backend("prefill", "auto", cuda).name == "sdpa"
+    assert choose_backend("decode", "auto", cuda).name == "torch"
+    assert choose_backend("decode", "torch", cpu_f32).name == "torch"
+    with pytest.raises(ValueError, match="attention_backend='kernel' needs a CPU device"):
+        choose_backend("decode", "kernel", cuda, "attention_backend")
+    with pytest.raises(ValueError, match="prefill_attention_backend='blocked' needs"):
+        choose_attention(cpu_f32, prefill="blocked")
+    with pytest.raises(ValueError, match="unknown decode attention backend 'flash'"):
+        choose_backend("decode", "flash", cpu_f32)
+    assert {b.role for b in BACKENDS} == {"decode", "prefill"}
+    assert choose_attention(cpu_f32, "torch", "sdpa").name == "decode torch, prefill sdpa"

@@ -239,6 +239,20 @@ def test_kernel_backend_refuses_what_it_cannot_run(model_path):
         LLM(str(model_path), attention_backend="flash", show_progress=False)
 
 
+def test_backends_are_named_at_start_and_refused_where_they_cannot_run(model_path, caplog):
+    import logging
+
+    settings = dict(dtype="float32", kv_cache_tokens=256, show_progress=False)
+    with caplog.at_level(logging.INFO, logger="radixserve.engine.engine"):
+        LLM(str(model_path), attention_backend="torch", prefill_attention_backend="sdpa",
+            **settings)
+    assert "attention: decode torch, prefill sdpa; projections: torch" in caplog.text
+    with pytest.raises(ValueError, match="prefill_attention_backend='blocked' needs"):
+        LLM(str(model_path), prefill_attention_backend="blocked", **settings)
+    with pytest.raises(ValueError, match="prefill_attention_backend must be one of"):
+        LLM(str(model_path), prefill_attention_backend="flash", show_progress=False)
+
+
 # ----- building it -----
 
 # ----- the skinny matmul -----
