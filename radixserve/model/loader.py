@@ -1,5 +1,5 @@
 """Reads a model from disk: an HF directory (config.json, *.safetensors, tokenizer.json) or a
-GGUF file (dequantized with the `gguf` package). Both end as HF-named float tensors.
+GGUF file (parsed and dequantized by `gguf_file`). Both end as HF-named float tensors.
 """
 
 from __future__ import annotations
@@ -9,14 +9,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
 from radixserve.model.config import ModelConfig
+from radixserve.model.gguf_file import GGUFFile, GGUFTensor, dequantize
 from radixserve.model.tokenizer import ChatTokenizer, load_gguf_tokenizer, load_hf_tokenizer
 
-# GGUF tensor-type names we dequantize (the gguf package handles more; these are tested).
+# GGUF tensor-type names we dequantize (gguf_file can decode more; these are tested).
 GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 
 _GGUF_LAYER_NAMES = {
@@ -78,10 +78,6 @@ def _load_hf_dir(path: Path, progress: bool) -> LoadedModel:
     return LoadedModel(config, weights, load_hf_tokenizer(path), str(path))
 
 
-def _gguf_value(field: Any) -> Any:
-    return field.contents()
-
-
 def _unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     # llama.cpp's converter interleaves each head's rotary halves for its own RoPE kernel;
     # undo that so the weights match HF's rotate-half layout that our forward pass uses.
@@ -94,10 +90,8 @@ def _unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def _load_gguf(path: Path, progress: bool) -> LoadedModel:
-    import gguf
-
-    reader = gguf.GGUFReader(str(path))
-    meta = {name: _gguf_value(f) for name, f in reader.fields.items() if not name.startswith("GGUF.")}
+    gguf_file = GGUFFile.open(path)
+    meta = gguf_file.metadata
     arch = meta.get("general.architecture")
     if arch not in ("llama", "qwen2", "mistral"):
         raise ValueError(
@@ -110,7 +104,7 @@ def _load_gguf(path: Path, progress: bool) -> LoadedModel:
     tokenizer = load_gguf_tokenizer(meta)
     heads = key("attention.head_count")
     hidden = key("embedding_length")
-    names = {t.name for t in reader.tensors}
+    names = set(gguf_file.tensors)
     scaling = None
     if key("rope.scaling.type") == "linear":
         scaling = {"rope_type": "linear", "factor": key("rope.scaling.factor")}
@@ -131,8 +125,9 @@ def _load_gguf(path: Path, progress: bool) -> LoadedModel:
         rope_scaling=scaling,
     )
     weights: dict[str, torch.Tensor] = {}
-    for tensor in tqdm(reader.tensors, desc="Dequantizing GGUF", disable=not progress):
-        weights[_hf_name(tensor.name)] = _dequantize(tensor, gguf)
+    tensors = gguf_file.tensors.values()
+    for tensor in tqdm(tensors, desc="Dequantizing GGUF", disable=not progress):
+        weights[_hf_name(tensor.name)] = _dequantize(tensor)
     if arch in ("llama", "mistral"):
         for i in range(config.num_layers):
             q = f"model.layers.{i}.self_attn.q_proj.weight"
@@ -164,27 +159,21 @@ def _hf_name(name: str) -> str:
     return name
 
 
-def _dequantize(tensor: Any, gguf: Any) -> torch.Tensor:
-    kind = tensor.tensor_type.name
+def _dequantize(tensor: GGUFTensor) -> torch.Tensor:
+    kind = tensor.type_name
     if kind not in GGUF_TYPES:
         raise ValueError(
             f"GGUF tensor {tensor.name} has type {kind}; supported: {', '.join(GGUF_TYPES)}"
         )
-    # Shape in numpy order (rows = output features), reversed from GGUF's ne order.
-    shape = tuple(int(d) for d in reversed(tensor.shape))
-    data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-    return torch.from_numpy(np.array(data, dtype=np.float32).reshape(shape))
+    return dequantize(tensor)
 
 
 def load_tokenizer(path: str | Path) -> ChatTokenizer:
     """Only the tokenizer of a model (no weights read): for the linter and the benchmark."""
     path = Path(path).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        import gguf
-
-        reader = gguf.GGUFReader(str(path))
-        meta = {n: _gguf_value(f) for n, f in reader.fields.items() if n.startswith("tokenizer.")}
-        return load_gguf_tokenizer(meta)
+        meta = GGUFFile.open(path).metadata
+        return load_gguf_tokenizer({k: v for k, v in meta.items() if k.startswith("tokenizer.")})
     if path.is_dir():
         return load_hf_tokenizer(path)
     raise FileNotFoundError(f"no .gguf file or HF model directory at {str(path)!r}")
