@@ -16,8 +16,10 @@ ATTENTION_BACKENDS = ("auto", "kernel", "torch")
 # bfloat16/float16); sdpa, PyTorch's scaled_dot_product_attention; auto, blocked where it applies.
 PREFILL_ATTENTION_BACKENDS = ("auto", "blocked", "sdpa")
 # kernel: our C++ bfloat16 matmul for steps of at most 48 tokens (CPU with AVX512-BF16);
-# torch: nn.Linear (oneDNN on CPU); auto: kernel where it applies and builds.
-MATMUL_BACKENDS = ("auto", "kernel", "torch")
+# widen: half-precision weights computed in float32 from 16 rows up (CPUs without native
+# bfloat16, where half-precision matmuls are emulated); torch: nn.Linear (oneDNN on CPU);
+# auto: the first of these that applies here (see radixserve/layers/linear.py).
+MATMUL_BACKENDS = ("auto", "kernel", "widen", "torch")
 
 
 @dataclass

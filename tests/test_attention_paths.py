@@ -23,9 +23,11 @@ from radixserve.layers.attention.gather import GatherPlanner, KVGather, slot_run
 
 
 def _env(dtype: torch.dtype = torch.bfloat16, heads: int = 6, kv_heads: int = 2,
-         head_dim: int = 32) -> AttentionEnv:
+         head_dim: int = 32, native_bf16: bool = True) -> AttentionEnv:
+    # native_bf16 states the CPU kind, so both kinds' choices are checked on either machine.
     return AttentionEnv(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, window=None,
-                        num_slots=4096, device=torch.device("cpu"), dtype=dtype)
+                        num_slots=4096, device=torch.device("cpu"), dtype=dtype,
+                        native_bf16=native_bf16)
 
 
 def _reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, first: int,
@@ -67,6 +69,14 @@ def test_float32_and_cuda_keep_sdpa():
     assert BlockedPrefill.unavailable(_env(torch.float32)) is not None
     cuda = AttentionEnv(6, 2, 32, None, 4096, torch.device("cuda"), torch.bfloat16)
     assert BlockedPrefill.unavailable(cuda) is not None
+
+
+def test_cpus_that_emulate_bfloat16_keep_sdpa():
+    # Without native bfloat16 dot products the blocked attention's matmuls are emulated: some
+    # 30x slower than SDPA, so it is not offered there (its arithmetic is checked above on
+    # every machine).
+    assert "AVX512-BF16" in BlockedPrefill.unavailable(_env(native_bf16=False))
+    assert choose_backend("prefill", "auto", _env(native_bf16=False)).name == "sdpa"
 
 
 class _Planned:

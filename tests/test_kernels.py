@@ -17,7 +17,14 @@ import torch
 from radixserve import LLM, SamplingParams
 from radixserve.engine.request import Request
 from radixserve.kernels import SKINNY_MAX_ROWS, decode_attention_op, skinny_matmul_op
-from radixserve.layers.linear import DenseLinear, Linear, SkinnyLinear
+from radixserve.kernels.cpu import has_fast_bf16
+from radixserve.layers.linear import (
+    DenseLinear,
+    Linear,
+    SkinnyLinear,
+    WideningLinear,
+    choose_linear_method,
+)
 
 OP = decode_attention_op()
 MATMUL = skinny_matmul_op()
@@ -315,6 +322,38 @@ def test_skinny_method_falls_back_where_the_kernel_does_not_fit():
     tall = torch.randn(SKINNY_MAX_ROWS + 1, 64)  # more rows than the kernel takes: oneDNN
     assert torch.equal(fits(tall), reference(tall, fits.weight, fits.bias))
     assert calls == [(32, 64)]
+
+
+def test_widening_method_runs_half_precision_in_float32_from_16_rows():
+    # CPUs without native bfloat16 emulate it 7x slower than float32 at prefill sizes: from
+    # 16 rows the widening method computes in float32 and rounds once; below, oneDNN as is.
+    layer = Linear(64, 48, True, WideningLinear())
+    for p in (layer.weight, layer.bias):
+        torch.nn.init.normal_(p)
+    layer.to(torch.bfloat16)
+    w, b = layer.weight, layer.bias
+    for rows in (1, 15, 16, 100):
+        x = torch.randn(rows, 64, dtype=torch.bfloat16)
+        out = layer(x)
+        assert out.dtype == torch.bfloat16
+        if rows < WideningLinear.min_rows:
+            assert torch.equal(out, torch.nn.functional.linear(x, w, b))
+        else:
+            wide = torch.nn.functional.linear(x.float(), w.float(), b.float()).bfloat16()
+            assert torch.equal(out, wide)
+        exact = torch.nn.functional.linear(x.double(), w.double(), b.double())
+        # One bfloat16 rounding of outputs up to ~30: within 2**-8 relative.
+        assert ((out.double() - exact).abs() <= exact.abs() / 256 + 1e-6).all()
+    cpu = torch.device("cpu")
+    emulated = not has_fast_bf16()
+    assert (WideningLinear.unavailable(cpu, torch.bfloat16) is None) == emulated
+    assert WideningLinear.unavailable(cpu, torch.float32) is not None
+    picked = choose_linear_method("auto", cpu, torch.bfloat16).name
+    assert picked == ("widen" if emulated else "kernel" if MATMUL is not None else "torch")
+    assert choose_linear_method("auto", cpu, torch.float32).name == "torch"
+    with pytest.raises(ValueError, match="matmul_backend='widen' needs a CPU and bfloat16"):
+        choose_linear_method("widen", cpu, torch.float32)
+    print(f"this CPU {'emulates' if emulated else 'has native'} bfloat16: auto picks {picked}")
 
 
 @needs_bf16_dot

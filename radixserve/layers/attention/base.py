@@ -10,11 +10,13 @@ backends, one of each role, combined by `StepAttention`, which is all the model 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, Literal, Protocol
 
 import numpy as np
 import torch
+
+from radixserve.kernels.cpu import has_fast_bf16
 
 
 class SlotTable(Protocol):
@@ -64,6 +66,9 @@ class AttentionEnv:
     num_slots: int  # KV pool size
     device: torch.device
     dtype: torch.dtype
+    # The CPU multiplies bfloat16 natively (AVX512-BF16 or AMX); without it half-precision
+    # matmuls are emulated, several times slower than float32.
+    native_bf16: bool = field(default_factory=has_fast_bf16)
 
     @property
     def scale(self) -> float:
