@@ -13,6 +13,10 @@
 #define RS_X86 1
 #define RS_AVX512 __attribute__((target("avx512f,avx512dq")))
 #define RS_AVX512BF16 __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl,avx512bf16")))
+// The quantized matmul's paths (gguf_matmul_avx2.cpp, gguf_matmul_avx512.cpp).
+#define RS_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define RS_AVX512VNNI \
+  __attribute__((target("avx2,fma,f16c,avx512f,avx512dq,avx512bw,avx512vl,avx512vnni")))
 #endif
 
 namespace radixserve {
@@ -27,6 +31,21 @@ inline int cpu_level() {
 #else
   return 0;
 #endif
+}
+
+// The quantized matmul's path: 0 portable C++; 1 AVX2 with FMA and F16C; 2 AVX-512 (F, DQ,
+// BW, VL) with VNNI dot products. AVX-512 without VNNI runs the AVX2 path.
+inline int quant_path() {
+#ifdef RS_X86
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
+      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512vnni"))
+    return 2;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+      __builtin_cpu_supports("f16c"))
+    return 1;
+#endif
+  return 0;
 }
 
 #ifdef RS_X86

@@ -1,0 +1,333 @@
+// y = x W^T (+ bias) with W kept as GGUF quantized panels (gguf_pack.cpp), on the CPU.
+//
+// Why: a decode step reads every weight once, so its time is the weights' bytes over the
+// memory bandwidth; kept quantized, Q4_x weights are 4.5-5 bits instead of 16 or 32. As in
+// llama.cpp, activations are quantized to int8 with a float scale per block of 32 (per 256 for
+// K-quants, as its q8_K), the dot products are exact int32 sums, and the scales are applied
+// per block. Unlike a float matmul, each output's float operations are fixed (gguf_blocks.h,
+// panel_portable), so a row's result is bitwise the same whatever M, thread count or vector
+// path: the prefix cache's on == off holds exactly, and the portable path is the vector paths'
+// oracle in the tests. One kernel serves every M, decode and prefill.
+//
+// One call takes a list of parts (a fused qkv or gate_up whose tensors have different types
+// or row counts): x is quantized once per block size and each part is written at its column
+// offset, with no concatenation.
+//
+// Work: threads split the output panels (16 rows each) of all parts into contiguous ranges;
+// within a panel the path runs tiles of activation rows, the first streaming the panel from
+// memory and the others finding it in cache. Never split over k.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "gguf_blocks.h"
+
+namespace radixserve::gguf {
+
+// The largest |x| of a block and the quantization of its values: q = nearbyint(x * 127 / top)
+// (ties to even, the default rounding mode, as _mm256_cvtps_epi32), in [-127, 127].
+inline float quantize_block(const float* x, int n, int8_t* q) {
+  float top = 0.f;
+  for (int i = 0; i < n; ++i) top = std::max(top, std::fabs(x[i]));
+  const float id = top > 0.f ? 127.f / top : 0.f;
+  for (int i = 0; i < n; ++i) q[i] = static_cast<int8_t>(std::nearbyint(x[i] * id));
+  return top;
+}
+
+inline int32_t sum_of(const int8_t* q, int n) {
+  int32_t s = 0;
+  for (int i = 0; i < n; ++i) s += q[i];
+  return s;
+}
+
+void quantize_row32_portable(const float* x, int64_t k, int8_t* q, float* dx, int32_t* sums,
+                             float* dxs) {
+  for (int64_t b = 0; b < k / 32; ++b) {
+    dx[b] = quantize_block(x + 32 * b, 32, q + 32 * b) / 127.f;
+    sums[b] = sum_of(q + 32 * b, 32);
+    dxs[b] = dx[b] * static_cast<float>(sums[b]);
+  }
+}
+
+void quantize_row256_portable(const float* x, int64_t k, int8_t* q, float* dx, int16_t* sums16,
+                              int16_t* sums32) {
+  for (int64_t b = 0; b < k / 256; ++b)
+    dx[b] = quantize_block(x + 256 * b, 256, q + 256 * b) / 127.f;
+  for (int64_t g = 0; g < k / 16; ++g) sums16[g] = static_cast<int16_t>(sum_of(q + 16 * g, 16));
+  for (int64_t j = 0; j < k / 32; ++j) sums32[j] = static_cast<int16_t>(sum_of(q + 32 * j, 32));
+}
+
+// acc of one (activation row, panel row) pair after block b, given the block's weight
+// integers w of that panel row: the terms gguf_blocks.h lists, in its order.
+float add_block(const Format& f, const uint8_t* block, const int* w, const QuantizedRows& a,
+                int64_t row, int64_t b, int lane, float acc) {
+  const int8_t* q = a.q + row * a.k + b * f.block;
+  const int64_t at = row * a.blocks + b;
+  const float dx = a.dx[at];
+  auto dot = [&](int first, int n) {
+    int32_t sum = 0;
+    for (int i = first; i < first + n; ++i) sum += w[i] * q[i];
+    return sum;
+  };
+  switch (f.kind) {
+    case Kind::q8s:
+    case Kind::q4:
+    case Kind::q4m: {
+      const int32_t p = dot(0, 32) - (f.kind == Kind::q4 ? 8 * a.sums[at] : 0);
+      acc = std::fma(static_cast<float>(p), scale_at(block, 0, lane) * dx, acc);
+      if (f.kind == Kind::q4m) acc = std::fma(scale_at(block, 1, lane), a.dxs[at], acc);
+      return acc;
+    }
+    case Kind::q4k: {
+      const int16_t* sums32 = a.sums32 + row * (a.k / 32) + b * 8;
+      int32_t total = 0, mins = 0;
+      for (int j = 0; j < 8; ++j) {
+        total += block[kQ4kScales + 16 * j + lane] * dot(32 * j, 32);
+        mins += block[kQ4kMins + 16 * j + lane] * sums32[j];
+      }
+      acc = std::fma(static_cast<float>(total), scale_at(block, 0, lane) * dx, acc);
+      return std::fma(static_cast<float>(mins), -(scale_at(block, 1, lane) * dx), acc);
+    }
+    case Kind::q6k: {
+      const int16_t* sums16 = a.sums16 + row * (a.k / 16) + b * 16;
+      int32_t total = 0;
+      for (int g = 0; g < 16; ++g)
+        total += static_cast<int8_t>(block[kQ6kScales + 16 * g + lane]) *
+                 (dot(16 * g, 16) - 32 * sums16[g]);
+      return std::fma(static_cast<float>(total), scale_at(block, 0, lane) * dx, acc);
+    }
+  }
+  return acc;
+}
+
+void panel_portable(const Format& f, const uint8_t* panel, const QuantizedRows& a, int64_t r0,
+                    int64_t rows, float* acc) {
+  std::fill(acc, acc + rows * kRows, 0.f);
+  std::vector<int> w(kRows * f.block);
+  for (int64_t b = 0; b < a.blocks; ++b) {
+    const uint8_t* block = panel + b * f.panel_bytes;
+    for (int lane = 0; lane < kRows; ++lane)  // unpacked once for all rows
+      for (int i = 0; i < f.block; ++i) w[lane * f.block + i] = weight_int(f, block, lane, i);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int lane = 0; lane < kRows; ++lane) {
+        float& sum = acc[r * kRows + lane];
+        sum = add_block(f, block, w.data() + lane * f.block, a, r0 + r, b, lane, sum);
+      }
+  }
+}
+
+}  // namespace radixserve::gguf
+
+namespace {
+
+using namespace radixserve::gguf;
+
+constexpr int64_t kRowChunk = 256;  // activation rows per call of a panel path (scratch size)
+
+// x [M, K] quantized per block of 32 or 256 (QuantizedRows' arrays; the sums the block size
+// needs, the others empty).
+struct Quantized {
+  at::Tensor q, dx, sums, dxs, sums16, sums32;
+  QuantizedRows view() const {
+    return {q.data_ptr<int8_t>(), dx.data_ptr<float>(), sums.data_ptr<int32_t>(),
+            dxs.data_ptr<float>(), sums16.data_ptr<int16_t>(), sums32.data_ptr<int16_t>(),
+            q.size(1), dx.size(1)};
+  }
+};
+
+Quantized quantize(const at::Tensor& x, int block, int path) {
+  const int64_t m = x.size(0), k = x.size(1), blocks = k / block;
+  const auto options = x.options();
+  const int64_t n32 = block == 32 ? blocks : 0, n256 = block == 256 ? 1 : 0;
+  Quantized out{at::empty({m, k}, options.dtype(at::kChar)),
+                at::empty({m, blocks}, options.dtype(at::kFloat)),
+                at::empty({m, n32}, options.dtype(at::kInt)),
+                at::empty({m, n32}, options.dtype(at::kFloat)),
+                at::empty({m, n256 * k / 16}, options.dtype(at::kShort)),
+                at::empty({m, n256 * k / 32}, options.dtype(at::kShort))};
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const char* src = static_cast<const char*>(x.data_ptr());
+  const int64_t row_bytes = k * x.element_size();
+  int8_t* q = out.q.data_ptr<int8_t>();
+  float* dx = out.dx.data_ptr<float>();
+  int32_t* sums = out.sums.data_ptr<int32_t>();
+  float* dxs = out.dxs.data_ptr<float>();
+  int16_t* sums16 = out.sums16.data_ptr<int16_t>();
+  int16_t* sums32 = out.sums32.data_ptr<int16_t>();
+  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> widened(bf16 ? k : 0);
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = reinterpret_cast<const float*>(src + r * row_bytes);
+      if (bf16) {
+        const auto* h = reinterpret_cast<const c10::BFloat16*>(src + r * row_bytes);
+        for (int64_t i = 0; i < k; ++i) widened[i] = static_cast<float>(h[i]);
+        row = widened.data();
+      }
+      int8_t* qr = q + r * k;
+      float* dxr = dx + r * blocks;
+      if (block == 32) {
+#ifdef RS_X86
+        if (path >= 1) {
+          quantize_row32_avx2(row, k, qr, dxr, sums + r * blocks, dxs + r * blocks);
+          continue;
+        }
+#endif
+        quantize_row32_portable(row, k, qr, dxr, sums + r * blocks, dxs + r * blocks);
+      } else {
+#ifdef RS_X86
+        if (path >= 1) {
+          quantize_row256_avx2(row, k, qr, dxr, sums16 + r * k / 16, sums32 + r * k / 32);
+          continue;
+        }
+#endif
+        quantize_row256_portable(row, k, qr, dxr, sums16 + r * k / 16, sums32 + r * k / 32);
+      }
+    }
+  });
+  return out;
+}
+
+using PanelPath = void (*)(const Format&, const uint8_t*, const QuantizedRows&, int64_t, int64_t,
+                           float*);
+
+PanelPath panel_path(int path) {
+#ifdef RS_X86
+  if (path >= 2) return panel_avx512;
+  if (path >= 1) return panel_avx2;
+#endif
+  return panel_portable;
+}
+
+int checked_path(int64_t max_path) {
+  TORCH_CHECK_VALUE(max_path >= 0, "max_path must be 0 (portable), 1 (AVX2) or 2 (AVX-512)");
+  return static_cast<int>(std::min<int64_t>(max_path, radixserve::quant_path()));
+}
+
+// One weight of the op: its panels and where its rows land in the output.
+struct Part {
+  const Format* format;
+  const uint8_t* panels;
+  int64_t rows, panel_count, panel_stride, column;
+};
+
+// y [M, sum(rows)] = x @ concat(W_i)^T + bias: part i is [rows[i], K] held as panels[i] of GGUF
+// type ggml_types[i], written at column sum(rows[:i]). Parts share one quantization of x, so a
+// fused projection (qkv, gate_up) of mixed types is one call with no concatenation.
+at::Tensor gguf_linear(const at::Tensor& x, at::TensorList panels, at::IntArrayRef ggml_types,
+                       at::IntArrayRef rows, const c10::optional<at::Tensor>& bias,
+                       int64_t max_path) {
+  TORCH_CHECK_VALUE(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous() &&
+                        (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+                    "x: contiguous float32 or bfloat16 [M, K] on the CPU");
+  const int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK_VALUE(!panels.empty() && panels.size() == ggml_types.size() &&
+                        panels.size() == rows.size(),
+                    "panels, ggml_types and rows: one entry per part");
+  std::vector<Part> parts;
+  int64_t columns = 0, total_panels = 0;
+  bool blocks32 = false, blocks256 = false;
+  for (size_t i = 0; i < panels.size(); ++i) {
+    const Format* f = format_of(ggml_types[i]);
+    TORCH_CHECK_VALUE(f != nullptr, "GGUF type ", ggml_types[i],
+                      " has no panel layout (supported: Q8_0 = 8, Q4_0 = 2, Q4_1 = 3, "
+                      "Q4_K = 12, Q6_K = 14)");
+    TORCH_CHECK_VALUE(k >= f->block && k % f->block == 0, "K = ", k,
+                      " is not a multiple of part ", i, "'s block (", f->block, ")");
+    (f->block == 32 ? blocks32 : blocks256) = true;
+    const at::Tensor& p = panels[i];
+    TORCH_CHECK_VALUE(rows[i] >= 1, "part ", i, " has no rows");
+    TORCH_CHECK_VALUE(p.device().is_cpu() && p.scalar_type() == at::kByte && p.dim() == 2 &&
+                          p.is_contiguous() && p.size(0) == (rows[i] + kRows - 1) / kRows &&
+                          p.size(1) == k / f->block * f->panel_bytes,
+                      "part ", i, ": panels must be uint8 [ceil(", rows[i], " / 16), K / ",
+                      f->block, " * ", f->panel_bytes, "] for K = ", k);
+    parts.push_back({f, p.data_ptr<uint8_t>(), rows[i], p.size(0), p.size(1), columns});
+    columns += rows[i];
+    total_panels += p.size(0);
+  }
+  at::Tensor bias_f;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == columns,
+                      "bias must have one value per output column (", columns, ")");
+    bias_f = bias->to(at::kFloat).contiguous();
+  }
+  at::Tensor out = at::empty({m, columns}, x.options());
+  if (m == 0) return out;
+  const int path = checked_path(max_path);
+  // x quantized once per block size that the parts use.
+  Quantized quantized32, quantized256;
+  QuantizedRows a32{}, a256{};
+  if (blocks32) a32 = (quantized32 = quantize(x, 32, path)).view();
+  if (blocks256) a256 = (quantized256 = quantize(x, 256, path)).view();
+  const PanelPath run = panel_path(path);
+  const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  float* yf = bf16 ? nullptr : out.data_ptr<float>();
+  c10::BFloat16* yh = bf16 ? out.data_ptr<c10::BFloat16>() : nullptr;
+  // About 32 KB of weights per task: small parts still split, and no thread waits on many.
+  const int64_t grain = std::max<int64_t>(1, 32768 / parts[0].panel_stride);
+  at::parallel_for(0, total_panels, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(kRowChunk * kRows);
+    size_t part = 0;
+    int64_t first = 0;  // index of parts[part]'s first panel
+    for (int64_t index = begin; index < end; ++index) {
+      while (index >= first + parts[part].panel_count) first += parts[part++].panel_count;
+      const Part& p = parts[part];
+      const int64_t panel = index - first;
+      const int64_t live = std::min<int64_t>(kRows, p.rows - panel * kRows);
+      for (int64_t r0 = 0; r0 < m; r0 += kRowChunk) {
+        const int64_t n_rows = std::min(kRowChunk, m - r0);
+        run(*p.format, p.panels + panel * p.panel_stride, p.format->block == 32 ? a32 : a256, r0,
+            n_rows, acc.data());
+        for (int64_t r = 0; r < n_rows; ++r) {
+          const int64_t col = p.column + panel * kRows;
+          for (int64_t lane = 0; lane < live; ++lane) {
+            float y = acc[r * kRows + lane];
+            if (bp) y += bp[col + lane];
+            if (bf16)
+              yh[(r0 + r) * columns + col + lane] = static_cast<c10::BFloat16>(y);
+            else
+              yf[(r0 + r) * columns + col + lane] = y;
+          }
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// The activation quantization on its own, for tests: (q int8 [M, K], dx [M, K / block]; for
+// blocks of 32 sums int32 and dxs float [M, K / 32]; for 256 sums16 [M, K / 16] and sums32
+// [M, K / 32] int16; the other pair empty).
+std::vector<at::Tensor> gguf_quantize_activations(const at::Tensor& x, int64_t block,
+                                                  int64_t max_path) {
+  TORCH_CHECK_VALUE(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous() &&
+                        (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+                    "x: contiguous float32 or bfloat16 [M, K] on the CPU");
+  TORCH_CHECK_VALUE(block == 32 || block == 256, "block must be 32 or 256");
+  TORCH_CHECK_VALUE(x.size(1) >= block && x.size(1) % block == 0,
+                    "K = ", x.size(1), " is not a multiple of ", block);
+  Quantized out = quantize(x, static_cast<int>(block), checked_path(max_path));
+  return {out.q, out.dx, out.sums, out.dxs, out.sums16, out.sums32};
+}
+
+int64_t gguf_quant_path() { return radixserve::quant_path(); }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(radixserve, m) {
+  m.def("gguf_linear(Tensor x, Tensor[] panels, int[] ggml_types, int[] rows, Tensor? bias, "
+        "int max_path) -> Tensor");
+  m.impl("gguf_linear", c10::DispatchKey::CPU, TORCH_FN(gguf_linear));
+  m.def("gguf_quantize_activations(Tensor x, int block, int max_path) -> Tensor[]");
+  m.impl("gguf_quantize_activations", c10::DispatchKey::CPU, TORCH_FN(gguf_quantize_activations));
+  m.def("gguf_quant_path() -> int", &gguf_quant_path);
+}

@@ -1,0 +1,393 @@
+// The quantized matmul's AVX2 path (FMA, F16C): what this project's AVX2-only machines run.
+//
+// A ymm register holds 8 output rows of a panel (half h of each 64-byte unit), 4 weights per
+// int32 lane; one broadcast of 4 activations serves all 8 rows. vpmaddubsw multiplies
+// unsigned weight bytes by signed activation bytes into int16 pairs and vpmaddwd widens them
+// to int32: Q4 nibbles (0..15) times |q| <= 127 leave room for eight pair sums in int16, so a
+// block takes 8 vpmaddubsw and one vpmaddwd per half; Q8_0's signed bytes use the sign trick
+// (|w| times q with w's sign) and widen after each one. The unpacked weights of a block are
+// shared by the R activation rows of a tile. K-quants weigh each sub-block's int16 pair sums
+// by its scale in the vpmaddwd (scales duplicated into both int16 halves of a lane), so their
+// sums stay exact int32 too. Float operations follow panel_portable exactly.
+
+#include <cstdint>
+#include <cstring>
+
+#include "gguf_blocks.h"
+
+#ifdef RS_X86
+namespace radixserve::gguf {
+namespace {
+
+// Keeps the compiler from rebalancing a chain of integer adds into a tree whose 16 maddubs
+// results per row would all be live at once (and spilled): the chain stays a chain.
+RS_AVX2 inline __m256i chained(__m256i v) {
+  asm("" : "+x"(v));
+  return v;
+}
+
+RS_AVX2 inline __m256i broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return _mm256_set1_epi32(v);
+}
+
+// Int32 dot products of one block for R activation rows: dot[r][h] has rows 8h..8h+7.
+template <Kind K, int R>
+RS_AVX2 inline void block_dots(const uint8_t* units, const int8_t* const* q, __m256i (*dot)[2]) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  if constexpr (K == Kind::q8s) {
+    for (int j = 0; j < 8; ++j) {
+      const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(units + j * kUnit));
+      const __m256i w1 =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(units + j * kUnit + 32));
+      const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);
+      for (int r = 0; r < R; ++r) {
+        const __m256i x = broadcast4(q[r] + 4 * j);
+        const __m256i d0 =
+            _mm256_madd_epi16(_mm256_maddubs_epi16(a0, _mm256_sign_epi8(x, w0)), ones);
+        const __m256i d1 =
+            _mm256_madd_epi16(_mm256_maddubs_epi16(a1, _mm256_sign_epi8(x, w1)), ones);
+        dot[r][0] = j == 0 ? d0 : chained(_mm256_add_epi32(dot[r][0], d0));
+        dot[r][1] = j == 0 ? d1 : chained(_mm256_add_epi32(dot[r][1], d1));
+      }
+    }
+  } else {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    __m256i pairs[R][2];
+    for (int t = 0; t < 4; ++t) {
+      const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(units + t * kUnit));
+      const __m256i v1 =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(units + t * kUnit + 32));
+      const __m256i lo0 = _mm256_and_si256(v0, low);
+      const __m256i hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low);
+      const __m256i lo1 = _mm256_and_si256(v1, low);
+      const __m256i hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low);
+      for (int r = 0; r < R; ++r) {
+        const __m256i xl = broadcast4(q[r] + 4 * t), xh = broadcast4(q[r] + 16 + 4 * t);
+        const __m256i d0 =
+            _mm256_add_epi16(_mm256_maddubs_epi16(lo0, xl), _mm256_maddubs_epi16(hi0, xh));
+        const __m256i d1 =
+            _mm256_add_epi16(_mm256_maddubs_epi16(lo1, xl), _mm256_maddubs_epi16(hi1, xh));
+        // At most 8 * 15 * 127 * 2 = 30480 per int16: no overflow.
+        pairs[r][0] = t == 0 ? d0 : chained(_mm256_add_epi16(pairs[r][0], d0));
+        pairs[r][1] = t == 0 ? d1 : chained(_mm256_add_epi16(pairs[r][1], d1));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      dot[r][0] = _mm256_madd_epi16(pairs[r][0], ones);
+      dot[r][1] = _mm256_madd_epi16(pairs[r][1], ones);
+    }
+  }
+}
+
+// Panel blocks ahead to prefetch: the hardware prefetcher alone lags when each line is worked
+// on this long.
+constexpr int64_t kAhead = 4;
+
+// Activation rows [r0, r0 + R) against one panel: acc[(r - r0) * 16 + lane].
+template <Kind K, int R>
+RS_AVX2 void tile(const uint8_t* panel, const QuantizedRows& a, int64_t r0, float* acc) {
+  __m256 sum[R][2];
+  const int8_t* q[R];
+  for (int r = 0; r < R; ++r) {
+    sum[r][0] = sum[r][1] = _mm256_setzero_ps();
+    q[r] = a.q + (r0 + r) * a.k;
+  }
+  constexpr int64_t stride = format_for<K>().panel_bytes, units_at = format_for<K>().units_at;
+  for (int64_t b = 0; b < a.blocks; ++b) {
+    const uint8_t* block = panel + b * stride;
+    for (int64_t line = 0; line < stride; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(block + kAhead * stride + line), _MM_HINT_T0);
+    __m256i dot[R][2];
+    block_dots<K, R>(block + units_at, q, dot);
+    for (int r = 0; r < R; ++r) q[r] += 32;
+    const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block)));
+    const __m256 d1 =
+        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 16)));
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = (r0 + r) * a.blocks + b;
+      __m256i p0 = dot[r][0], p1 = dot[r][1];
+      if constexpr (K == Kind::q4) {
+        const __m256i offset = _mm256_set1_epi32(8 * a.sums[at]);
+        p0 = _mm256_sub_epi32(p0, offset);
+        p1 = _mm256_sub_epi32(p1, offset);
+      }
+      const __m256 dx = _mm256_set1_ps(a.dx[at]);
+      sum[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_mul_ps(d0, dx), sum[r][0]);
+      sum[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_mul_ps(d1, dx), sum[r][1]);
+      if constexpr (K == Kind::q4m) {
+        const __m256 dxs = _mm256_set1_ps(a.dxs[at]);
+        const __m256 m0 =
+            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 32)));
+        const __m256 m1 =
+            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 48)));
+        sum[r][0] = _mm256_fmadd_ps(m0, dxs, sum[r][0]);
+        sum[r][1] = _mm256_fmadd_ps(m1, dxs, sum[r][1]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(acc + r * kRows, sum[r][0]);
+    _mm256_storeu_ps(acc + r * kRows + 8, sum[r][1]);
+  }
+}
+
+// Each lane's byte of p[0..7] (8 rows' u8 scales or mins), as int16 pairs (v, v) per lane:
+// vpmaddwd with it weighs a lane's two int16 pair sums by the lane's scale.
+RS_AVX2 inline __m256i duplicated_u8(const uint8_t* p) {
+  const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_or_si256(v, _mm256_slli_epi32(v, 16));
+}
+
+RS_AVX2 inline __m256i duplicated_i8(const uint8_t* p) {
+  const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(v, 16));
+}
+
+// int16 pairs (a[lane], b[lane]) of two rows of 8 bytes, unsigned or signed.
+RS_AVX2 inline __m256i paired_u8(const uint8_t* a, const uint8_t* b) {
+  const __m256i va = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a)));
+  const __m256i vb = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b)));
+  return _mm256_or_si256(va, _mm256_slli_epi32(vb, 16));
+}
+
+RS_AVX2 inline __m256i paired_i8(const uint8_t* a, const uint8_t* b) {
+  const __m256i va = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a)));
+  const __m256i vb = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b)));
+  return _mm256_or_si256(_mm256_and_si256(va, _mm256_set1_epi32(0xFFFF)),
+                         _mm256_slli_epi32(vb, 16));
+}
+
+RS_AVX2 inline __m256i load_unit(const uint8_t* units, int unit) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(units + unit * kUnit));
+}
+
+RS_AVX2 inline __m256i broadcast_pair(const int16_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return _mm256_set1_epi32(v);
+}
+
+// Q4_K: I (total) and Imin (mins) of one superblock for rows 8h..8h+7 of the panel.
+template <int R>
+RS_AVX2 inline void q4k_sums(const uint8_t* block, int h, const int8_t* const* q,
+                             const int16_t* const* sums32, __m256i* total, __m256i* mins) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const uint8_t* units = block + kQ4_K.units_at + 32 * h;
+  for (int r = 0; r < R; ++r) total[r] = mins[r] = _mm256_setzero_si256();
+  for (int c = 0; c < 4; ++c) {
+    __m256i lo_pairs[R], hi_pairs[R];
+    for (int t = 0; t < 8; ++t) {
+      const __m256i v =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(units + (8 * c + t) * kUnit));
+      const __m256i lo = _mm256_and_si256(v, low);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+      for (int r = 0; r < R; ++r) {
+        // At most 8 * 15 * 127 * 2 = 30480 per int16: no overflow.
+        const __m256i dl = _mm256_maddubs_epi16(lo, broadcast4(q[r] + 64 * c + 4 * t));
+        const __m256i dh = _mm256_maddubs_epi16(hi, broadcast4(q[r] + 64 * c + 32 + 4 * t));
+        lo_pairs[r] = t == 0 ? dl : chained(_mm256_add_epi16(lo_pairs[r], dl));
+        hi_pairs[r] = t == 0 ? dh : chained(_mm256_add_epi16(hi_pairs[r], dh));
+      }
+    }
+    const __m256i sc_lo = duplicated_u8(block + kQ4kScales + 16 * (2 * c) + 8 * h);
+    const __m256i sc_hi = duplicated_u8(block + kQ4kScales + 16 * (2 * c + 1) + 8 * h);
+    for (int r = 0; r < R; ++r)
+      total[r] = _mm256_add_epi32(total[r],
+                                  _mm256_add_epi32(_mm256_madd_epi16(lo_pairs[r], sc_lo),
+                                                   _mm256_madd_epi16(hi_pairs[r], sc_hi)));
+  }
+  for (int p = 0; p < 4; ++p) {
+    const __m256i m = paired_u8(block + kQ4kMins + 16 * (2 * p) + 8 * h,
+                                block + kQ4kMins + 16 * (2 * p + 1) + 8 * h);
+    for (int r = 0; r < R; ++r)
+      mins[r] = _mm256_add_epi32(mins[r], _mm256_madd_epi16(m, broadcast_pair(sums32[r] + 2 * p)));
+  }
+}
+
+// Q6_K: I of one superblock for rows 8h..8h+7 of the panel.
+template <int R>
+RS_AVX2 inline void q6k_sums(const uint8_t* block, int h, const int8_t* const* q,
+                             const int16_t* const* sums16, __m256i* total) {
+  const __m256i low = _mm256_set1_epi8(0x0F), bits45 = _mm256_set1_epi8(0x30);
+  const uint8_t* units = block + kQ6_K.units_at + 32 * h;
+  for (int r = 0; r < R; ++r) total[r] = _mm256_setzero_si256();
+  for (int half = 0; half < 2; ++half) {
+    for (int vq = 0; vq < 2; ++vq) {
+      __m256i sc[4];  // groups 8 half + 2i + vq
+      for (int i = 0; i < 4; ++i)
+        sc[i] = duplicated_i8(block + kQ6kScales + 16 * (8 * half + 2 * i + vq) + 8 * h);
+      for (int v = 4 * vq; v < 4 * vq + 4; ++v) {
+        const __m256i a = load_unit(units, 16 * half + v), b = load_unit(units, 16 * half + 8 + v);
+        const __m256i hb = load_unit(units, 32 + 8 * half + v);
+        __m256i u[4];
+        u[0] = _mm256_or_si256(_mm256_and_si256(a, low),
+                               _mm256_and_si256(_mm256_slli_epi16(hb, 4), bits45));
+        u[1] = _mm256_or_si256(_mm256_and_si256(b, low),
+                               _mm256_and_si256(_mm256_slli_epi16(hb, 2), bits45));
+        u[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), low),
+                               _mm256_and_si256(hb, bits45));
+        u[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), low),
+                               _mm256_and_si256(_mm256_srli_epi16(hb, 2), bits45));
+        for (int r = 0; r < R; ++r)
+          for (int i = 0; i < 4; ++i) {
+            // Each pair sum (at most 2 * 63 * 127) is weighed by its group's scale at once.
+            const __m256i x = broadcast4(q[r] + 128 * half + 32 * i + 4 * v);
+            total[r] = chained(_mm256_add_epi32(
+                total[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u[i], x), sc[i])));
+          }
+      }
+    }
+  }
+  for (int p = 0; p < 8; ++p) {  // - 32 * sum_g sc_g * sums16_g
+    const __m256i sc = paired_i8(block + kQ6kScales + 16 * (2 * p) + 8 * h,
+                                 block + kQ6kScales + 16 * (2 * p + 1) + 8 * h);
+    for (int r = 0; r < R; ++r)
+      total[r] = _mm256_sub_epi32(
+          total[r], _mm256_slli_epi32(_mm256_madd_epi16(sc, broadcast_pair(sums16[r] + 2 * p)), 5));
+  }
+}
+
+// K-quant superblocks for activation rows [r0, r0 + R) against one panel.
+template <Kind K, int R>
+RS_AVX2 void tile_k(const uint8_t* panel, const QuantizedRows& a, int64_t r0, float* acc) {
+  constexpr int64_t stride = format_for<K>().panel_bytes;
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 sum[R][2];
+  const int8_t* q[R];
+  const int16_t* sums[R];
+  for (int r = 0; r < R; ++r) {
+    sum[r][0] = sum[r][1] = _mm256_setzero_ps();
+    q[r] = a.q + (r0 + r) * a.k;
+    sums[r] = K == Kind::q4k ? a.sums32 + (r0 + r) * (a.k / 32) : a.sums16 + (r0 + r) * (a.k / 16);
+  }
+  for (int64_t b = 0; b < a.blocks; ++b) {
+    const uint8_t* block = panel + b * stride;
+    for (int64_t line = 0; line < stride; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(block + 2 * stride + line), _MM_HINT_T0);
+    for (int h = 0; h < 2; ++h) {
+      __m256i total[R], mins[R];
+      if constexpr (K == Kind::q4k)
+        q4k_sums<R>(block, h, q, sums, total, mins);
+      else
+        q6k_sums<R>(block, h, q, sums, total);
+      const __m256 d =
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 16 * h)));
+      for (int r = 0; r < R; ++r) {
+        const __m256 dx = _mm256_set1_ps(a.dx[(r0 + r) * a.blocks + b]);
+        sum[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total[r]), _mm256_mul_ps(d, dx), sum[r][h]);
+        if constexpr (K == Kind::q4k) {
+          const __m256 dmin = _mm256_cvtph_ps(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 32 + 16 * h)));
+          sum[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins[r]),
+                                      _mm256_xor_ps(_mm256_mul_ps(dmin, dx), sign), sum[r][h]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      q[r] += 256;
+      sums[r] += K == Kind::q4k ? 8 : 16;
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(acc + r * kRows, sum[r][0]);
+    _mm256_storeu_ps(acc + r * kRows + 8, sum[r][1]);
+  }
+}
+
+template <Kind K>
+RS_AVX2 void rows_of_panel(const uint8_t* panel, const QuantizedRows& a, int64_t r0,
+                           int64_t rows, float* acc) {
+  constexpr int kTile = 2;
+  int64_t r = 0;
+  if constexpr (K == Kind::q4k || K == Kind::q6k) {
+    // Their unpacking costs more per weight: wider tiles share it among more rows.
+    for (; r + 4 <= rows; r += 4) tile_k<K, 4>(panel, a, r0 + r, acc + r * kRows);
+    for (; r + 2 <= rows; r += 2) tile_k<K, 2>(panel, a, r0 + r, acc + r * kRows);
+    for (; r < rows; ++r) tile_k<K, 1>(panel, a, r0 + r, acc + r * kRows);
+  } else {
+    for (; r + kTile <= rows; r += kTile) tile<K, kTile>(panel, a, r0 + r, acc + r * kRows);
+    for (; r < rows; ++r) tile<K, 1>(panel, a, r0 + r, acc + r * kRows);
+  }
+}
+
+RS_AVX2 inline float max_abs(const float* x, int n) {
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 top8 = _mm256_setzero_ps();
+  for (int i = 0; i < n; i += 8)
+    top8 = _mm256_max_ps(top8, _mm256_and_ps(_mm256_loadu_ps(x + i), magnitude));
+  __m128 top4 = _mm_max_ps(_mm256_castps256_ps128(top8), _mm256_extractf128_ps(top8, 1));
+  top4 = _mm_max_ps(top4, _mm_movehl_ps(top4, top4));
+  top4 = _mm_max_ss(top4, _mm_movehdup_ps(top4));
+  return _mm_cvtss_f32(top4);
+}
+
+RS_AVX2 inline int32_t sum8(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
+// 32 values times `id`, rounded to nearest even, stored as int8; their sums by halves.
+RS_AVX2 inline void quantize32(const float* x, __m256 id, int8_t* q, int32_t* sums) {
+  __m256i n[4];
+  for (int i = 0; i < 4; ++i)
+    n[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * i), id));
+  // packs interleave 128-bit lanes; the permute puts the 32 bytes back in order.
+  const __m256i bytes = _mm256_permutevar8x32_epi32(
+      _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3])),
+      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), bytes);
+  sums[0] = sum8(_mm256_add_epi32(n[0], n[1]));
+  sums[1] = sum8(_mm256_add_epi32(n[2], n[3]));
+}
+
+RS_AVX2 inline __m256 inverse_scale(float top) {
+  return _mm256_set1_ps(top > 0.f ? 127.f / top : 0.f);
+}
+
+}  // namespace
+
+RS_AVX2 void quantize_row32_avx2(const float* x, int64_t k, int8_t* q, float* dx, int32_t* sums,
+                                 float* dxs) {
+  for (int64_t b = 0; b < k / 32; ++b) {
+    const float top = max_abs(x + 32 * b, 32);
+    int32_t halves[2];
+    quantize32(x + 32 * b, inverse_scale(top), q + 32 * b, halves);
+    dx[b] = top / 127.f;
+    sums[b] = halves[0] + halves[1];
+    dxs[b] = dx[b] * static_cast<float>(sums[b]);
+  }
+}
+
+RS_AVX2 void quantize_row256_avx2(const float* x, int64_t k, int8_t* q, float* dx,
+                                  int16_t* sums16, int16_t* sums32) {
+  for (int64_t b = 0; b < k / 256; ++b) {
+    const float top = max_abs(x + 256 * b, 256);
+    const __m256 id = inverse_scale(top);
+    for (int j = 0; j < 8; ++j) {
+      int32_t halves[2];
+      quantize32(x + 256 * b + 32 * j, id, q + 256 * b + 32 * j, halves);
+      sums16[16 * b + 2 * j] = static_cast<int16_t>(halves[0]);
+      sums16[16 * b + 2 * j + 1] = static_cast<int16_t>(halves[1]);
+      sums32[8 * b + j] = static_cast<int16_t>(halves[0] + halves[1]);
+    }
+    dx[b] = top / 127.f;
+  }
+}
+
+RS_AVX2 void panel_avx2(const Format& f, const uint8_t* panel, const QuantizedRows& a, int64_t r0,
+                        int64_t rows, float* acc) {
+  switch (f.kind) {
+    case Kind::q8s: rows_of_panel<Kind::q8s>(panel, a, r0, rows, acc); break;
+    case Kind::q4: rows_of_panel<Kind::q4>(panel, a, r0, rows, acc); break;
+    case Kind::q4m: rows_of_panel<Kind::q4m>(panel, a, r0, rows, acc); break;
+    case Kind::q4k: rows_of_panel<Kind::q4k>(panel, a, r0, rows, acc); break;
+    case Kind::q6k: rows_of_panel<Kind::q6k>(panel, a, r0, rows, acc); break;
+  }
+}
+
+}  // namespace radixserve::gguf
+#endif
