@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from radixserve import LLM, SamplingParams
+from radixserve.config import QUANTIZATIONS, EngineConfig
 from radixserve.model.default_model import default_model_path
 
 
@@ -63,7 +64,8 @@ def _token_prompts(count: int, length: int, seed: int) -> list[list[int]]:
 
 def bench_radixserve(model: str, dtype: str, args: argparse.Namespace) -> dict[str, object]:
     llm = LLM(model, dtype=dtype, prefix_cache="off", kv_cache_tokens=40000,
-              max_num_batched_tokens=4096, max_num_seqs=64, show_progress=False)
+              max_num_batched_tokens=4096, max_num_seqs=64, show_progress=False,
+              quantization=args.quantization)
     prompt = _token_prompts(1, args.prefill_tokens, 0)[0]
     one = SamplingParams(max_tokens=1, temperature=0)
     prefill_s = _best(lambda: llm.generate({"prompt_token_ids": prompt}, one, use_tqdm=False), 2)
@@ -134,6 +136,9 @@ def main() -> None:
     parser.add_argument("--hf-concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--quantization", choices=QUANTIZATIONS, default=EngineConfig.quantization,
+                        help="radixserve's setting: auto runs GGUF blocks on our kernel, none "
+                             "dequantizes (what HF runs)")
     parser.add_argument("--repeat", type=int, default=1,
                         help="timed runs per throughput point after one untimed warm-up run, "
                              "both systems alike; the best counts")
@@ -148,6 +153,7 @@ def main() -> None:
         "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
         "torch": torch.__version__,
         "limits": machine_limits(),
+        "quantization": args.quantization,
         "radixserve": {},
         "hf": {},
     }

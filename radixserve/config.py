@@ -20,6 +20,11 @@ PREFILL_ATTENTION_BACKENDS = ("auto", "blocked", "sdpa")
 # bfloat16, where half-precision matmuls are emulated); torch: nn.Linear (oneDNN on CPU);
 # auto: the first of these that applies here (see radixserve/layers/linear.py).
 MATMUL_BACKENDS = ("auto", "kernel", "widen", "torch")
+# auto: GGUF matrices in a format our kernel executes (radixserve/layers/quantized.py) stay in
+# the file's blocks and run as they are; none: every tensor is dequantized to the compute
+# dtype at load (the reference path). none stays the default until attention is batch
+# invariant: int8 activations turn its last-bit differences into token flips.
+QUANTIZATIONS = ("auto", "none")
 
 
 @dataclass
@@ -47,6 +52,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # decode attention; see ATTENTION_BACKENDS
     prefill_attention_backend: str = "auto"  # see PREFILL_ATTENTION_BACKENDS
     matmul_backend: str = "auto"  # projections of steps with few tokens; see MATMUL_BACKENDS
+    quantization: str = "none"  # see QUANTIZATIONS
     num_threads: int | None = None  # torch CPU threads; None keeps torch's default
     seed: int = 0  # seeds sampling for requests that carry no seed of their own
     show_progress: bool = True
@@ -71,6 +77,8 @@ class EngineConfig:
         need(self.prefill_attention_backend in PREFILL_ATTENTION_BACKENDS,
              f"prefill_attention_backend must be one of {PREFILL_ATTENTION_BACKENDS}, "
              f"got {self.prefill_attention_backend!r}")
+        need(self.quantization in QUANTIZATIONS,
+             f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         need(self.matmul_backend in MATMUL_BACKENDS,
              f"matmul_backend must be one of {MATMUL_BACKENDS}, got {self.matmul_backend!r}")
         need(self.page_size >= 1, "page_size must be >= 1")

@@ -87,7 +87,7 @@ class LLMEngine:
             "%s; attention: %s; projections: %s",
             self.model_path, mc.architecture, str(self.dtype).removeprefix("torch."),
             self.device, describe_cpu(), self.pool.num_slots, config.page_size,
-            config.prefix_cache, attention.name, self.model.linear_method.name,
+            config.prefix_cache, attention.name, self.model.linear_method.describe(),
         )
 
     # ----- requests -----

@@ -13,6 +13,7 @@ from radixserve.config import EngineConfig
 from radixserve.kernels.cpu import has_fast_bf16
 from radixserve.layers.attention import AttentionEnv, StepAttention, choose_attention
 from radixserve.layers.linear import choose_linear_method
+from radixserve.layers.quantized import EXECUTED_TYPES, QuantizedLinear
 from radixserve.model.config import ModelConfig
 from radixserve.model.default_model import resolve_model_path
 from radixserve.model.llama import LlamaModel
@@ -48,8 +49,16 @@ def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype) -
     """The model's weights in `dtype` on `device`, its projections run by the linear method
     the config asks for (a clear ValueError where that method cannot run here)."""
     linear = choose_linear_method(config.matmul_backend, device, dtype)
+    keep: tuple[str, ...] = ()
+    if config.quantization == "auto":
+        reason = QuantizedLinear.unavailable(device, dtype)
+        if reason is None:
+            linear, keep = QuantizedLinear(linear), tuple(EXECUTED_TYPES)
+        else:
+            logger.info("quantization=auto: quantized GGUF weights are dequantized to %s; "
+                        "running them as they are needs %s", dtype, reason)
     path = resolve_model_path(config.model)
-    files = load_model_files(path, progress=config.show_progress)
+    files = load_model_files(path, progress=config.show_progress, keep_quantized=keep)
     with torch.device("meta"):
         model = LlamaModel(files.config, linear)
     model.load_hf_weights(files.weights, dtype)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +22,9 @@ from torch import nn
 
 from radixserve.kernels import SKINNY_MAX_ROWS, skinny_matmul_op
 from radixserve.kernels.cpu import has_fast_bf16
+
+if TYPE_CHECKING:
+    from radixserve.layers.quantized import PackedParts, QuantizedWeight
 
 
 class LinearMethod(ABC):
@@ -31,6 +34,10 @@ class LinearMethod(ABC):
     def unavailable(cls, device: torch.device, dtype: torch.dtype) -> str | None:
         """Why this method cannot run here (None: it can)."""
         return None
+
+    def describe(self) -> str:
+        """For the start-up log."""
+        return self.name
 
     def prepare(self, layer: Linear) -> None:  # noqa: B027 (a hook most methods leave alone)
         """Once, after the layer's weights are loaded and cast (repacking goes here)."""
@@ -127,23 +134,40 @@ def choose_linear_method(name: str, device: torch.device, dtype: torch.dtype) ->
 
 
 class Linear(nn.Module):
-    """A projection: weight [out, in] and optional bias, computed by `method`."""
+    """A projection: weight [out, in] and optional bias, computed by `method`.
+
+    A layer loaded from quantized blocks holds them in `quantized` instead of a float weight
+    until its method's `prepare` repacks them (see radixserve/layers/quantized.py)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool,
                  method: LinearMethod) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.in_features, self.out_features = in_features, out_features
+        self.weight: nn.Parameter | None = nn.Parameter(torch.empty(out_features, in_features))
         self.bias: nn.Parameter | None
         self.register_parameter("bias", nn.Parameter(torch.empty(out_features)) if bias else None)
         self.method = method
+        # Quantized GGUF blocks in place of `weight`: the file's parts until the method's
+        # `prepare` repacks them, then the packed parts (see radixserve/layers/quantized.py).
+        self.quantized: list[QuantizedWeight] | None = None
+        self.packed: PackedParts | None = None
 
-    @property
-    def in_features(self) -> int:
-        return self.weight.shape[1]
+    def load_quantized(self, parts: list[QuantizedWeight]) -> None:
+        """Takes the file's blocks (one matrix, or a fused projection's parts in output
+        order) in place of a float weight."""
+        from radixserve.layers.quantized import merge_parts
 
-    @property
-    def out_features(self) -> int:
-        return self.weight.shape[0]
+        rows = sum(p.rows for p in parts)
+        if rows != self.out_features or any(p.cols != self.in_features for p in parts):
+            raise ValueError(f"quantized parts of {rows} rows x {parts[0].cols} do not fit a "
+                             f"{self.out_features}x{self.in_features} projection")
+        self.weight = None
+        self.quantized = merge_parts(parts)
+
+    def share_packed(self, packed: PackedParts) -> None:
+        """Runs on another module's packed blocks (a tied LM head on its embedding table)."""
+        self.weight = None
+        self.packed = packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.apply(self, x)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +19,7 @@ from torch import nn
 
 from radixserve.layers.attention import LayerKV, StepAttention, StepPlan
 from radixserve.layers.linear import DenseLinear, Linear, LinearMethod
+from radixserve.layers.quantized import QuantizedEmbedding, QuantizedWeight
 from radixserve.model.config import ModelConfig
 
 
@@ -157,42 +159,64 @@ class LlamaModel(nn.Module):
         last = self.norm(residual[batch.logit_rows])
         return self.lm_head(last).float()
 
-    def load_hf_weights(self, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
-        """Takes HF-named float tensors, fusing q/k/v and gate/up; casts to `dtype`."""
+    def load_hf_weights(self, weights: dict[str, torch.Tensor | QuantizedWeight],
+                        dtype: torch.dtype) -> None:
+        """Takes HF-named weights, fusing q/k/v and gate/up; casts float ones to `dtype`.
+        `QuantizedWeight`s (GGUF blocks the linear method executes) stay as they are."""
         cfg = self.config
-        state: dict[str, torch.Tensor] = {
-            "embed_tokens.weight": weights["model.embed_tokens.weight"],
-            "norm.weight": weights["model.norm.weight"],
-        }
+        embed = weights["model.embed_tokens.weight"]
         head = weights.get("lm_head.weight")
-        state["lm_head.weight"] = head if head is not None and not cfg.tie_word_embeddings else (
-            weights["model.embed_tokens.weight"]
-        )
+        tied = head is None or cfg.tie_word_embeddings
+        state: dict[str, torch.Tensor | QuantizedWeight | list] = {
+            "embed_tokens.weight": embed,
+            "norm.weight": weights["model.norm.weight"],
+            "lm_head.weight": embed if tied else head,
+        }
         for i in range(cfg.num_layers):
-            p = f"model.layers.{i}."
-            ours = f"layers.{i}."
+            p, ours = f"model.layers.{i}.", f"layers.{i}."
             state[ours + "input_layernorm.weight"] = weights[p + "input_layernorm.weight"]
             state[ours + "post_attention_layernorm.weight"] = weights[
                 p + "post_attention_layernorm.weight"
             ]
-            state[ours + "self_attn.qkv_proj.weight"] = torch.cat(
-                [weights[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]
-            )
+            state[ours + "self_attn.qkv_proj.weight"] = [
+                weights[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]
             if cfg.attention_bias:
-                state[ours + "self_attn.qkv_proj.bias"] = torch.cat(
-                    [weights[p + f"self_attn.{n}_proj.bias"] for n in "qkv"]
-                )
+                state[ours + "self_attn.qkv_proj.bias"] = [
+                    weights[p + f"self_attn.{n}_proj.bias"] for n in "qkv"]
             state[ours + "self_attn.o_proj.weight"] = weights[p + "self_attn.o_proj.weight"]
-            state[ours + "mlp.gate_up_proj.weight"] = torch.cat(
-                [weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]]
-            )
+            state[ours + "mlp.gate_up_proj.weight"] = [
+                weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]]
             state[ours + "mlp.down_proj.weight"] = weights[p + "mlp.down_proj.weight"]
-        missing, unexpected = self.load_state_dict(state, strict=False, assign=True)
+        floats = self._take_quantized(state, dtype, tied)
+        missing, unexpected = self.load_state_dict(floats, strict=False, assign=True)
         missing = [m for m in missing if m != "inv_freq"]
         if missing or unexpected:
             raise ValueError(f"weight mismatch: missing {missing}, unexpected {unexpected}")
         self.to(dtype)
-        self.inv_freq = rope_inv_freq(cfg).to(self.embed_tokens.weight.device)
+        self.inv_freq = rope_inv_freq(cfg).to(self.norm.weight.device)
         for module in self.modules():
             if isinstance(module, Linear):
                 module.method.prepare(module)
+
+    def _take_quantized(self, state: dict[str, Any], dtype: torch.dtype,
+                        tied: bool) -> dict[str, torch.Tensor]:
+        """Hands quantized weights to their layers and returns the float state; fused parts
+        (lists) are concatenated, or kept as quantized parts where all of them are."""
+        floats: dict[str, torch.Tensor] = {}
+        for name, value in state.items():
+            parts = value if isinstance(value, list) else [value]
+            if all(isinstance(p, QuantizedWeight) for p in parts) and name.endswith(".weight"):
+                self._load_quantized(name.removesuffix(".weight"), parts, dtype, tied)
+            else:  # float, or a fused bias, or float and quantized parts: all float
+                floats[name] = torch.cat([
+                    p.dequantize() if isinstance(p, QuantizedWeight) else p for p in parts])
+        return floats
+
+    def _load_quantized(self, module: str, parts: list[QuantizedWeight], dtype: torch.dtype,
+                        tied: bool) -> None:
+        if module == "embed_tokens":
+            self.embed_tokens = QuantizedEmbedding(parts[0], dtype)
+        elif module == "lm_head" and tied and isinstance(self.embed_tokens, QuantizedEmbedding):
+            self.lm_head.share_packed(self.embed_tokens.packed)  # one copy of a tied table
+        else:
+            self.get_submodule(module).load_quantized(parts)

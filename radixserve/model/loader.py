@@ -5,6 +5,8 @@ GGUF file (parsed and dequantized by `gguf_file`). Both end as HF-named float te
 from __future__ import annotations
 
 import json
+import warnings
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -12,6 +14,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from radixserve.layers.quantized import QuantizedWeight
 from radixserve.model.config import ModelConfig
 from radixserve.model.gguf_file import GGUFFile, GGUFTensor, dequantize
 from radixserve.model.tokenizer import ChatTokenizer, load_gguf_tokenizer, load_hf_tokenizer
@@ -40,13 +43,16 @@ _GGUF_TOP_NAMES = {
 @dataclass
 class LoadedModel:
     config: ModelConfig
-    weights: dict[str, torch.Tensor]  # HF names, float32
+    weights: dict[str, torch.Tensor | QuantizedWeight]  # HF names; float32 or kept blocks
     tokenizer: ChatTokenizer
     source: str  # what was loaded, for logs
 
 
-def load_model_files(path: str | Path, progress: bool = True) -> LoadedModel:
-    """Loads config, weights and tokenizer from an HF directory or a `.gguf` file."""
+def load_model_files(path: str | Path, progress: bool = True,
+                     keep_quantized: Collection[str] = ()) -> LoadedModel:
+    """Loads config, weights and tokenizer from an HF directory or a `.gguf` file. GGUF
+    matrices in a format named in `keep_quantized` stay in the file's blocks
+    (`QuantizedWeight`); everything else is dequantized to float32."""
     path = Path(path).expanduser()
     if not path.exists():
         raise FileNotFoundError(
@@ -54,7 +60,7 @@ def load_model_files(path: str | Path, progress: bool = True) -> LoadedModel:
             "(config.json, *.safetensors, tokenizer.json) or a .gguf file"
         )
     if path.is_file() and path.suffix == ".gguf":
-        return _load_gguf(path, progress)
+        return _load_gguf(path, progress, frozenset(keep_quantized))
     if path.is_dir() and (path / "config.json").exists():
         return _load_hf_dir(path, progress)
     raise ValueError(
@@ -78,9 +84,11 @@ def _load_hf_dir(path: Path, progress: bool) -> LoadedModel:
     return LoadedModel(config, weights, load_hf_tokenizer(path), str(path))
 
 
-def _unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
+def _unpermute_qk(w: torch.Tensor | QuantizedWeight, n_head: int) -> torch.Tensor | QuantizedWeight:
     # llama.cpp's converter interleaves each head's rotary halves for its own RoPE kernel;
     # undo that so the weights match HF's rotate-half layout that our forward pass uses.
+    if isinstance(w, QuantizedWeight):  # a pure row permutation: move whole rows of blocks
+        return w.take_rows(_unpermute_qk(torch.arange(w.rows), n_head))
     rows = w.shape[0]
     return (
         w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:])
@@ -89,7 +97,7 @@ def _unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     )
 
 
-def _load_gguf(path: Path, progress: bool) -> LoadedModel:
+def _load_gguf(path: Path, progress: bool, keep: frozenset[str]) -> LoadedModel:
     gguf_file = GGUFFile.open(path)
     meta = gguf_file.metadata
     arch = meta.get("general.architecture")
@@ -124,10 +132,11 @@ def _load_gguf(path: Path, progress: bool) -> LoadedModel:
         attention_bias="blk.0.attn_q.bias" in names,
         rope_scaling=scaling,
     )
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, torch.Tensor | QuantizedWeight] = {}
     tensors = gguf_file.tensors.values()
-    for tensor in tqdm(tensors, desc="Dequantizing GGUF", disable=not progress):
-        weights[_hf_name(tensor.name)] = _dequantize(tensor)
+    for tensor in tqdm(tensors, desc="Loading GGUF", disable=not progress):
+        kept = tensor.type_name in keep and len(tensor.dims) == 2
+        weights[_hf_name(tensor.name)] = _blocks(tensor) if kept else _dequantize(tensor)
     if arch in ("llama", "mistral"):
         for i in range(config.num_layers):
             q = f"model.layers.{i}.self_attn.q_proj.weight"
@@ -157,6 +166,15 @@ def _hf_name(name: str) -> str:
     if base in _GGUF_TOP_NAMES:
         return f"{_GGUF_TOP_NAMES[base]}.{suffix}"
     return name
+
+
+def _blocks(tensor: GGUFTensor) -> QuantizedWeight:
+    """The tensor's blocks as a uint8 [rows, bytes per row] view of the map (no copy)."""
+    rows, cols = tensor.shape
+    with warnings.catch_warnings():  # read-only map: torch warns, but nothing writes to it
+        warnings.simplefilter("ignore", UserWarning)
+        raw = torch.from_numpy(tensor.data).view(rows, -1)
+    return QuantizedWeight(tensor.type_name, rows, cols, raw)
 
 
 def _dequantize(tensor: GGUFTensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ from radixserve.config import (
     MATMUL_BACKENDS,
     PREFILL_ATTENTION_BACKENDS,
     PREFIX_CACHE_MODES,
+    QUANTIZATIONS,
     SCHEDULE_POLICIES,
     EngineConfig,
 )
@@ -92,8 +93,15 @@ def _model_flags(model: argparse._ArgumentGroup) -> None:
                             "matmuls; CPU, bfloat16/float16), sdpa (PyTorch's SDPA, any "
                             "device), auto (blocked where it applies)")
     model.add_argument("--matmul-backend", choices=MATMUL_BACKENDS, default="auto",
-                       help="projections of steps with at most 48 tokens (decode): kernel (C++, "
-                            "bfloat16 on CPUs with AVX512-BF16), torch (nn.Linear), auto")
+                       help="projections: kernel (C++ bfloat16 matmul for steps of at most 48 "
+                            "tokens, CPUs with AVX512-BF16), widen (half-precision weights "
+                            "computed in float32 from 16 rows up, CPUs without native "
+                            "bfloat16), torch (nn.Linear), auto (the first that applies)")
+    model.add_argument("--quantization", choices=QUANTIZATIONS,
+                       default=EngineConfig.quantization,
+                       help="auto: GGUF matrices in Q8_0/Q4_0/Q4_1 stay quantized and run on "
+                            "our C++ kernel (CPU); none: dequantize every tensor at load "
+                            "(the reference path)")
     model.add_argument("--num-threads", type=int, default=None,
                        help="torch CPU threads; unset: torch's default")
     model.add_argument("--seed", type=int, default=0,
