@@ -264,6 +264,21 @@ def test_vector_paths_equal_the_portable_path_bitwise(kind, path):
             assert torch.equal(_linear(x, raw, kind, bias, path), _linear(x, raw, kind, bias, 0))
 
 
+@pytest.mark.parametrize("kind", [Q.Q8_0, Q.Q4_K], ids=lambda k: k.name)
+def test_vanishing_activation_blocks_quantize_to_zero_on_every_path(kind):
+    # A block whose largest value is below ~3.7e-37 makes 127 / max overflow to inf; its
+    # values must quantize to 0 (not inf * x cast to int8) and every path must agree.
+    n, k = _shapes(kind)[0]
+    raw, _ = _weights(n, k, kind, seed=6)
+    x = torch.randn(3, k)
+    x[1] = 1e-38
+    x[2, : _block(kind)] = 2e-38
+    portable = _linear(x, raw, kind, None, 0)
+    assert torch.isfinite(portable).all()
+    assert portable[1].abs().max() == 0
+    assert torch.equal(_linear(x, raw, kind, None, BEST), portable)
+
+
 @pytest.mark.parametrize("kind", FORMATS, ids=lambda k: k.name)
 def test_rows_are_batch_invariant(kind):
     # A row's output is the same bits alone, in any sub-batch, across the 256-row chunk

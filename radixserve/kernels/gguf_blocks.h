@@ -27,6 +27,7 @@
 
 #include <c10/util/Half.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -161,5 +162,13 @@ void quantize_row256_avx2(const float* x, int64_t k, int8_t* q, float* dx, int16
 void panel_avx512(const Format& f, const uint8_t* panel, const QuantizedRows& a, int64_t r0,
                   int64_t rows, float* acc);
 #endif
+
+// 127 / top for quantizing a block of activations, or 0 where that is not finite: a block of
+// zeros, or one so small (top below ~3.7e-37) that the inverse overflows; its values then
+// quantize to 0 on every path.
+inline float inverse_of_top(float top) {
+  const float id = top > 0.f ? 127.f / top : 0.f;
+  return std::isfinite(id) ? id : 0.f;
+}
 
 }  // namespace radixserve::gguf

@@ -37,7 +37,7 @@ namespace radixserve::gguf {
 inline float quantize_block(const float* x, int n, int8_t* q) {
   float top = 0.f;
   for (int i = 0; i < n; ++i) top = std::max(top, std::fabs(x[i]));
-  const float id = top > 0.f ? 127.f / top : 0.f;
+  const float id = inverse_of_top(top);
   for (int i = 0; i < n; ++i) q[i] = static_cast<int8_t>(std::nearbyint(x[i] * id));
   return top;
 }

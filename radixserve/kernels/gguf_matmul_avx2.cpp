@@ -345,7 +345,7 @@ RS_AVX2 inline void quantize32(const float* x, __m256 id, int8_t* q, int32_t* su
 }
 
 RS_AVX2 inline __m256 inverse_scale(float top) {
-  return _mm256_set1_ps(top > 0.f ? 127.f / top : 0.f);
+  return _mm256_set1_ps(inverse_of_top(top));
 }
 
 }  // namespace
