@@ -163,9 +163,14 @@ class Linear(nn.Module):
                              f"{self.out_features}x{self.in_features} projection")
         self.weight = None
         self.quantized = merge_parts(parts)
+        # Repack now, so that only one layer's copies of the file's blocks exist at a time.
+        self.method.prepare(self)
 
     def share_packed(self, packed: PackedParts) -> None:
         """Runs on another module's packed blocks (a tied LM head on its embedding table)."""
+        if sum(packed.rows) != self.out_features:
+            raise ValueError(f"a table of {sum(packed.rows)} rows cannot serve a projection "
+                             f"to {self.out_features}")
         self.weight = None
         self.packed = packed
 

@@ -207,7 +207,9 @@ class LlamaModel(nn.Module):
             parts = value if isinstance(value, list) else [value]
             if all(isinstance(p, QuantizedWeight) for p in parts) and name.endswith(".weight"):
                 self._load_quantized(name.removesuffix(".weight"), parts, dtype, tied)
-            else:  # float, or a fused bias, or float and quantized parts: all float
+            elif isinstance(value, torch.Tensor):
+                floats[name] = value  # as it is: a copy would double a large model's peak
+            else:  # a fused float (or float and quantized) projection or bias
                 floats[name] = torch.cat([
                     p.dequantize() if isinstance(p, QuantizedWeight) else p for p in parts])
         return floats
@@ -215,7 +217,12 @@ class LlamaModel(nn.Module):
     def _load_quantized(self, module: str, parts: list[QuantizedWeight], dtype: torch.dtype,
                         tied: bool) -> None:
         if module == "embed_tokens":
-            self.embed_tokens = QuantizedEmbedding(parts[0], dtype)
+            table = parts[0]
+            if (table.rows, table.cols) != (self.config.vocab_size, self.config.hidden_size):
+                raise ValueError(f"token embedding {table.rows}x{table.cols} does not match the "
+                                 f"model's vocabulary x hidden size {self.config.vocab_size}x"
+                                 f"{self.config.hidden_size}")
+            self.embed_tokens = QuantizedEmbedding(table, dtype)
         elif module == "lm_head" and tied and isinstance(self.embed_tokens, QuantizedEmbedding):
             self.lm_head.share_packed(self.embed_tokens.packed)  # one copy of a tied table
         else:
