@@ -74,7 +74,7 @@ def _write_gguf(path, source_model_path) -> None:
     head_dim = HIDDEN // HEADS
     layouts = [
         (Q.Q4_K, Q.Q6_K, Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.F16, Q.F32),
-        (Q.Q6_K, Q.Q4_K, Q.Q8_0, Q.F16, Q.Q4_1, Q.Q4_0, Q.Q4_K),
+        (Q.Q6_K, Q.Q4_K, Q.Q8_0, Q.F16, Q.Q4_1, Q.Q5_0, Q.Q4_K),
     ]
     for i, (q, k, v, o, gate, up, down) in enumerate(layouts):
         add(f"blk.{i}.attn_q.weight", HEADS * head_dim, HIDDEN, q)
@@ -145,6 +145,7 @@ def test_quantized_execution_follows_the_dequantized_reference(tmp_path, model_p
     assert first.mlp.gate_up_proj.packed is None  # Q8_0 + F16: float
     assert first.mlp.down_proj.packed is None  # F32
     assert second.self_attn.qkv_proj.packed.types == [14, 12, 8]
+    assert second.mlp.gate_up_proj.packed.types == [3, 8]  # Q4_1, Q5_0 rewritten as Q8_0
     assert model.lm_head.packed.types == [14] and model.embed_tokens.packed.types == [8]
     assert exact.engine.model.lm_head.packed is None
     generator = torch.Generator().manual_seed(1)

@@ -13,7 +13,7 @@ from radixserve.config import EngineConfig
 from radixserve.kernels.cpu import has_fast_bf16
 from radixserve.layers.attention import AttentionEnv, StepAttention, choose_attention
 from radixserve.layers.linear import choose_linear_method
-from radixserve.layers.quantized import EXECUTED_TYPES, QuantizedLinear
+from radixserve.layers.quantized import EXECUTED_TYPES, REPACKED_TYPES, QuantizedLinear
 from radixserve.model.config import ModelConfig
 from radixserve.model.default_model import resolve_model_path
 from radixserve.model.llama import LlamaModel
@@ -53,7 +53,7 @@ def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype) -
     if config.quantization == "auto":
         reason = QuantizedLinear.unavailable(device, dtype)
         if reason is None:
-            linear, keep = QuantizedLinear(linear), tuple(EXECUTED_TYPES)
+            linear, keep = QuantizedLinear(linear), (*EXECUTED_TYPES, *REPACKED_TYPES)
         else:
             logger.info("quantization=auto: quantized GGUF weights are dequantized to %s; "
                         "running them as they are needs %s", dtype, reason)

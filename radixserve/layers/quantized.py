@@ -22,6 +22,9 @@ from radixserve.layers.linear import Linear, LinearMethod
 
 # GGUF formats the kernel executes, by name: their GGML type ids.
 EXECUTED_TYPES: dict[str, int] = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
+# Formats the loader rewrites, without loss, into an executed one (more bytes: Q5_0 takes
+# 34 bytes per 32 weights as Q8_0 instead of 22).
+REPACKED_TYPES: dict[str, str] = {"Q5_0": "Q8_0"}
 
 
 @dataclass(frozen=True)

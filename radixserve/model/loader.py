@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from radixserve.layers.quantized import QuantizedWeight
 from radixserve.model.config import ModelConfig
-from radixserve.model.gguf_file import GGUFFile, GGUFTensor, dequantize
+from radixserve.model.gguf_file import GGUFFile, GGUFTensor, dequantize, q5_0_as_q8_0
 from radixserve.model.tokenizer import ChatTokenizer, load_gguf_tokenizer, load_hf_tokenizer
 
 # GGUF tensor-type names we dequantize (gguf_file can decode more; these are tested).
@@ -169,8 +169,11 @@ def _hf_name(name: str) -> str:
 
 
 def _blocks(tensor: GGUFTensor) -> QuantizedWeight:
-    """The tensor's blocks as a uint8 [rows, bytes per row] view of the map (no copy)."""
+    """The tensor's blocks as a uint8 [rows, bytes per row] view of the map (no copy), or
+    for Q5_0 the same values rewritten as Q8_0 blocks (see `q5_0_as_q8_0`)."""
     rows, cols = tensor.shape
+    if tensor.type_name == "Q5_0":
+        return QuantizedWeight("Q8_0", rows, cols, torch.from_numpy(q5_0_as_q8_0(tensor)))
     with warnings.catch_warnings():  # read-only map: torch warns, but nothing writes to it
         warnings.simplefilter("ignore", UserWarning)
         raw = torch.from_numpy(tensor.data).view(rows, -1)

@@ -99,7 +99,7 @@ def _model_flags(model: argparse._ArgumentGroup) -> None:
                             "bfloat16), torch (nn.Linear), auto (the first that applies)")
     model.add_argument("--quantization", choices=QUANTIZATIONS,
                        default=EngineConfig.quantization,
-                       help="auto: GGUF matrices in Q8_0/Q4_0/Q4_1/Q4_K/Q6_K stay quantized and run on "
+                       help="auto: GGUF matrices in Q8_0/Q4_0/Q4_1/Q4_K/Q6_K (and Q5_0, as Q8_0) stay quantized and run on "
                             "our C++ kernel (CPU); none: dequantize every tensor at load "
                             "(the reference path)")
     model.add_argument("--num-threads", type=int, default=None,
