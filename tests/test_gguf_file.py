@@ -218,26 +218,3 @@ def test_bad_header_fields_raise(tmp_path):
     empty = tmp_path / "empty.gguf"
     empty.write_bytes(b"")
     _raises(empty, "empty file")
-
-
-def test_q5_0_rewritten_as_q8_0_keeps_every_value():
-    # The loader runs Q5_0 tensors on the Q8_0 kernel: the rewritten blocks must decode to
-    # exactly gguf's Q5_0 values (and a wrong high bit would not).
-    from radixserve.model.gguf_file import GGML_TYPES, GGUFTensor, q5_0_as_q8_0
-
-    rng = np.random.default_rng(5)
-    w = (rng.standard_normal((7, 96)) * rng.uniform(0.01, 2, (7, 1))).astype(np.float32)
-    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q5_0)
-    tensor = GGUFTensor("w", GGML_TYPES[6], (96, 7), 0, raw.reshape(-1))
-    q8 = q5_0_as_q8_0(tensor)
-    assert q8.shape == (7, 3 * 34)
-    want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q5_0)
-    got = gguf.quants.dequantize(q8, gguf.GGMLQuantizationType.Q8_0)
-    assert np.array_equal(want.view(np.uint32), got.view(np.uint32))
-    flipped = raw.copy()
-    flipped[0, 2] ^= 1  # weight 0's fifth bit
-    bad = gguf.quants.dequantize(q5_0_as_q8_0(GGUFTensor("w", GGML_TYPES[6], (96, 7), 0,
-                                                         flipped.reshape(-1))),
-                                 gguf.GGMLQuantizationType.Q8_0)
-    assert not np.array_equal(bad, want)
-

@@ -1,6 +1,8 @@
 """GGUF loading across tensor types: a small Llama written as GGUF with F32, F16, Q8_0, Q4_0,
-Q4_1, Q4_K and Q6_K tensors loads through our loader and matches HF transformers' logits on
-the same file (HF dequantizes and un-permutes GGUF on its own)."""
+Q4_1, Q5_0, Q5_1, Q3_K, Q4_K, Q5_K and Q6_K tensors loads through our loader and matches HF
+transformers' logits on the same file (HF dequantizes and un-permutes GGUF on its own); run
+on the file's blocks (rewritten where the kernel needs it) it stays within a stated distance
+of that reference."""
 
 from __future__ import annotations
 
@@ -23,6 +25,15 @@ def _k_quant_blocks(rows: int, cols: int, kind, rng: np.random.Generator) -> np.
     gguf-py can dequantize K-quants but not quantize them, so blocks are built by hand.
     """
     blocks = rows * cols // 256
+    if kind == Q.Q3_K:  # hmask[32] qs[64] scales[12] (6-bit, minus 32) d (fp16): 110 bytes
+        body = rng.integers(0, 256, (blocks, 108), dtype=np.uint8)
+        d = np.full((blocks, 1), 0.002, dtype=np.float16).view(np.uint8)
+        return np.concatenate([body, d], axis=1).reshape(rows, -1)
+    if kind == Q.Q5_K:  # d, dmin (fp16) scales[12] qh[32] qs[128]: 176 bytes
+        d = np.full((blocks, 1), 0.002, dtype=np.float16).view(np.uint8)
+        dmin = np.full((blocks, 1), 0.001, dtype=np.float16).view(np.uint8)
+        rest = rng.integers(0, 256, (blocks, 172), dtype=np.uint8)
+        return np.concatenate([d, dmin, rest], axis=1).reshape(rows, -1)
     if kind == Q.Q6_K:  # ql[128] qh[64] scales[16] (int8) d (fp16): 210 bytes
         body = rng.integers(0, 256, (blocks, 192), dtype=np.uint8)
         scales = rng.integers(-8, 8, (blocks, 16), dtype=np.int8).view(np.uint8)
@@ -61,7 +72,7 @@ def _write_gguf(path, source_model_path) -> None:
         return (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
 
     def add(name: str, rows: int, cols: int, kind) -> None:
-        if kind in (Q.Q4_K, Q.Q6_K):
+        if kind in (Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K):
             writer.add_tensor(name, _k_quant_blocks(rows, cols, kind, rng), raw_dtype=kind)
         elif kind == Q.F32:
             writer.add_tensor(name, dense(rows, cols))
@@ -74,7 +85,7 @@ def _write_gguf(path, source_model_path) -> None:
     head_dim = HIDDEN // HEADS
     layouts = [
         (Q.Q4_K, Q.Q6_K, Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.F16, Q.F32),
-        (Q.Q6_K, Q.Q4_K, Q.Q8_0, Q.F16, Q.Q4_1, Q.Q5_0, Q.Q4_K),
+        (Q.Q6_K, Q.Q5_K, Q.Q3_K, Q.F16, Q.Q4_1, Q.Q5_0, Q.Q5_1),
     ]
     for i, (q, k, v, o, gate, up, down) in enumerate(layouts):
         add(f"blk.{i}.attn_q.weight", HEADS * head_dim, HIDDEN, q)
@@ -130,10 +141,11 @@ def test_unsupported_gguf_architecture(tmp_path):
 
 
 def test_quantized_execution_follows_the_dequantized_reference(tmp_path, model_path):
-    # quantization="auto" keeps every Q8_0/Q4_0/Q4_1/Q4_K/Q6_K matrix in its blocks (a fused
-    # qkv of three formats runs as three parts of one call; gate Q8_0 beside up F16 falls
-    # back to float) and multiplies with int8-quantized activations, as llama.cpp does. Its
-    # logits stay within a stated distance of the dequantized float32 path.
+    # quantization="auto" keeps every Q8_0/Q4_0/Q4_1/Q4_K/Q6_K matrix in its blocks and
+    # rewrites Q5_0/Q5_1/Q5_K as Q8_0 and Q3_K as Q6_K (a fused qkv of three formats runs as
+    # three parts of one call; gate Q8_0 beside up F16 falls back to float), and multiplies
+    # with int8-quantized activations, as llama.cpp does. Its logits stay within a stated
+    # distance of the dequantized float32 path.
     path = tmp_path / "tiny.gguf"
     _write_gguf(path, model_path)
     settings = dict(dtype="float32", kv_cache_tokens=1024, show_progress=False)
@@ -144,8 +156,10 @@ def test_quantized_execution_follows_the_dequantized_reference(tmp_path, model_p
     assert first.self_attn.qkv_proj.packed.types == [12, 14, 2]  # Q4_K, Q6_K, Q4_0
     assert first.mlp.gate_up_proj.packed is None  # Q8_0 + F16: float
     assert first.mlp.down_proj.packed is None  # F32
-    assert second.self_attn.qkv_proj.packed.types == [14, 12, 8]
+    assert second.self_attn.qkv_proj.packed.types == [14, 8, 14]  # Q6_K, Q5_K and Q3_K rewritten
+    assert second.self_attn.o_proj.packed is None  # F16
     assert second.mlp.gate_up_proj.packed.types == [3, 8]  # Q4_1, Q5_0 rewritten as Q8_0
+    assert second.mlp.down_proj.packed.types == [8]  # Q5_1 requantized as Q8_0
     assert model.lm_head.packed.types == [14] and model.embed_tokens.packed.types == [8]
     assert exact.engine.model.lm_head.packed is None
     generator = torch.Generator().manual_seed(1)

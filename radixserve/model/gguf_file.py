@@ -342,29 +342,6 @@ def _decode_q4_1(blocks: np.ndarray, out: np.ndarray) -> None:
     out += _fp16_column(blocks, 2)
 
 
-def q5_0_as_q8_0(tensor: GGUFTensor) -> np.ndarray:
-    """A Q5_0 tensor's blocks rewritten as Q8_0 blocks, [rows, bytes per row], losing nothing.
-
-    Q5_0 (fp16 d, 4 bytes of high bits, 16 bytes of low nibbles) holds x = d * (u - 16) with
-    u in 0..31, where bit e of the high bits is weight e's fifth bit; Q8_0 holds x = d * q for
-    an int8 q, so q = u - 16 and the same d give the same float32 values, at 34 bytes per 32
-    weights instead of 22. It lets the Q8_0 kernel run the Q5_0 tensors that K-quant files use
-    where a row is not a multiple of 256."""
-    if tensor.type_name != "Q5_0":
-        raise ValueError(f"{tensor.name} is {tensor.type_name}, not Q5_0")
-    blocks = _blocks(tensor)
-    high = blocks[:, 2:6].copy().view("<u4")  # [n, 1]
-    low = blocks[:, 6:]
-    u = np.empty((blocks.shape[0], 32), dtype=np.uint8)
-    np.bitwise_and(low, 0x0F, out=u[:, :16])
-    np.right_shift(low, 4, out=u[:, 16:])
-    u |= (((high >> np.arange(32, dtype=np.uint32)) & 1) << 4).astype(np.uint8)
-    out = np.empty((blocks.shape[0], 34), dtype=np.uint8)
-    out[:, :2] = blocks[:, :2]
-    out[:, 2:] = (u.astype(np.int16) - 16).astype(np.int8).view(np.uint8)
-    return out.reshape(tensor.dims[1] if len(tensor.dims) > 1 else 1, -1)
-
-
 _BLOCK_DECODERS: dict[str, Callable[[np.ndarray, np.ndarray], None]] = {
     "Q8_0": _decode_q8_0,
     "Q4_0": _decode_q4_0,

@@ -1,5 +1,7 @@
 """Reads a model from disk: an HF directory (config.json, *.safetensors, tokenizer.json) or a
-GGUF file (parsed and dequantized by `gguf_file`). Both end as HF-named float tensors.
+GGUF file (parsed by `gguf_file`). Both end as HF-named weights: float32 tensors, or GGUF blocks
+(`QuantizedWeight`) for the matrices the engine runs quantized: the file's own, rewritten
+where the kernels need another format (see radixserve/model/quantize.py).
 """
 
 from __future__ import annotations
@@ -14,13 +16,15 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from radixserve.layers.quantized import QuantizedWeight
+from radixserve.layers.quantized import REPACKED_TYPES, QuantizedWeight
 from radixserve.model.config import ModelConfig
-from radixserve.model.gguf_file import GGUFFile, GGUFTensor, dequantize, q5_0_as_q8_0
+from radixserve.model.gguf_file import GGUFFile, GGUFTensor, dequantize
+from radixserve.model.quantize import repack
 from radixserve.model.tokenizer import ChatTokenizer, load_gguf_tokenizer, load_hf_tokenizer
 
 # GGUF tensor-type names we dequantize (gguf_file can decode more; these are tested).
-GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q3_K", "Q4_K",
+              "Q5_K", "Q6_K")
 
 _GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -52,7 +56,8 @@ def load_model_files(path: str | Path, progress: bool = True,
                      keep_quantized: Collection[str] = ()) -> LoadedModel:
     """Loads config, weights and tokenizer from an HF directory or a `.gguf` file. GGUF
     matrices in a format named in `keep_quantized` stay in the file's blocks
-    (`QuantizedWeight`); everything else is dequantized to float32."""
+    (`QuantizedWeight`; formats in REPACKED_TYPES rewritten into an executed one);
+    everything else is dequantized to float32."""
     path = Path(path).expanduser()
     if not path.exists():
         raise FileNotFoundError(
@@ -87,8 +92,8 @@ def _load_hf_dir(path: Path, progress: bool) -> LoadedModel:
 def _unpermute_qk(w: torch.Tensor | QuantizedWeight, n_head: int) -> torch.Tensor | QuantizedWeight:
     # llama.cpp's converter interleaves each head's rotary halves for its own RoPE kernel;
     # undo that so the weights match HF's rotate-half layout that our forward pass uses.
-    if isinstance(w, QuantizedWeight):  # a pure row permutation: move whole rows of blocks
-        return w.take_rows(_unpermute_qk(torch.arange(w.rows), n_head))
+    if isinstance(w, QuantizedWeight):  # a pure row permutation, applied as the kernel packs
+        return w.permute_rows(_unpermute_qk(torch.arange(w.rows), n_head))
     rows = w.shape[0]
     return (
         w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:])
@@ -170,10 +175,11 @@ def _hf_name(name: str) -> str:
 
 def _blocks(tensor: GGUFTensor) -> QuantizedWeight:
     """The tensor's blocks as a uint8 [rows, bytes per row] view of the map (no copy), or
-    for Q5_0 the same values rewritten as Q8_0 blocks (see `q5_0_as_q8_0`)."""
+    rewritten into an executed format (REPACKED_TYPES; see radixserve/model/quantize.py)."""
     rows, cols = tensor.shape
-    if tensor.type_name == "Q5_0":
-        return QuantizedWeight("Q8_0", rows, cols, torch.from_numpy(q5_0_as_q8_0(tensor)))
+    if tensor.type_name in REPACKED_TYPES:
+        type_name, rewritten = repack(tensor.type_name, tensor.data.reshape(rows, -1))
+        return QuantizedWeight(type_name, rows, cols, rewritten)
     with warnings.catch_warnings():  # read-only map: torch warns, but nothing writes to it
         warnings.simplefilter("ignore", UserWarning)
         raw = torch.from_numpy(tensor.data).view(rows, -1)
