@@ -22,9 +22,11 @@ PREFILL_ATTENTION_BACKENDS = ("auto", "blocked", "sdpa")
 MATMUL_BACKENDS = ("auto", "kernel", "widen", "torch")
 # auto: GGUF matrices in a format our kernel executes (radixserve/layers/quantized.py) stay in
 # the file's blocks and run as they are; none: every tensor is dequantized to the compute
-# dtype at load (the reference path). none stays the default until attention is batch
-# invariant: int8 activations turn its last-bit differences into token flips.
-QUANTIZATIONS = ("auto", "none")
+# dtype at load (the reference path); int8, int4: as auto, and float matrices (HF safetensors,
+# F32/F16/BF16 GGUF tensors) are quantized at load, int8 to Q8_0 and int4 to Q4_1 (see
+# radixserve/model/quantize.py). none stays the default until attention is batch invariant:
+# int8 activations turn its last-bit differences into token flips.
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """GGUF loading across tensor types: a small Llama written as GGUF with F32, F16, Q8_0, Q4_0,
 Q4_1, Q5_0, Q5_1, Q3_K, Q4_K, Q5_K and Q6_K tensors loads through our loader and matches HF
 transformers' logits on the same file (HF dequantizes and un-permutes GGUF on its own); run
-on the file's blocks (rewritten where the kernel needs it) it stays within a stated distance
-of that reference."""
+quantized (the file's blocks, rewritten where the kernel needs it, float matrices quantized
+for int4) it stays within a stated distance of that reference."""
 
 from __future__ import annotations
 
@@ -144,13 +144,15 @@ def test_quantized_execution_follows_the_dequantized_reference(tmp_path, model_p
     # quantization="auto" keeps every Q8_0/Q4_0/Q4_1/Q4_K/Q6_K matrix in its blocks and
     # rewrites Q5_0/Q5_1/Q5_K as Q8_0 and Q3_K as Q6_K (a fused qkv of three formats runs as
     # three parts of one call; gate Q8_0 beside up F16 falls back to float), and multiplies
-    # with int8-quantized activations, as llama.cpp does. Its logits stay within a stated
-    # distance of the dequantized float32 path.
+    # with int8-quantized activations, as llama.cpp does. int4 keeps the same blocks and
+    # quantizes the float matrices to Q4_1. Both stay within a stated distance of the
+    # dequantized float32 path.
     path = tmp_path / "tiny.gguf"
     _write_gguf(path, model_path)
     settings = dict(dtype="float32", kv_cache_tokens=1024, show_progress=False)
     exact = LLM(str(path), quantization="none", **settings)
     quick = LLM(str(path), quantization="auto", **settings)
+    int4 = LLM(str(path), quantization="int4", **settings)
     model = quick.engine.model
     first, second = model.layers
     assert first.self_attn.qkv_proj.packed.types == [12, 14, 2]  # Q4_K, Q6_K, Q4_0
@@ -162,11 +164,18 @@ def test_quantized_execution_follows_the_dequantized_reference(tmp_path, model_p
     assert second.mlp.down_proj.packed.types == [8]  # Q5_1 requantized as Q8_0
     assert model.lm_head.packed.types == [14] and model.embed_tokens.packed.types == [8]
     assert exact.engine.model.lm_head.packed is None
+    first, second = int4.engine.model.layers
+    assert first.self_attn.qkv_proj.packed.types == [12, 14, 2]  # the file's blocks, kept
+    assert first.mlp.gate_up_proj.packed.types == [8, 3]  # Q8_0 kept, F16 quantized
+    assert first.mlp.down_proj.packed.types == [3]  # F32 quantized
+    assert second.self_attn.o_proj.packed.types == [3]
     generator = torch.Generator().manual_seed(1)
     for length in (5, 60):
         ids = torch.randint(200, 40000, (length,), generator=generator).tolist()
-        want, got = exact.engine.prompt_logits(ids), quick.engine.prompt_logits(ids)
-        rms = ((got - want).pow(2).mean().sqrt() / want.std()).item()
-        print(f"{length} tokens: logit difference {rms:.4f} of the logits' spread (RMS)")
-        assert 0 < rms <= QUANTIZED_LOGIT_TOLERANCE  # > 0: not the float path
+        want = exact.engine.prompt_logits(ids)
+        for name, llm in (("auto", quick), ("int4", int4)):
+            got = llm.engine.prompt_logits(ids)
+            rms = ((got - want).pow(2).mean().sqrt() / want.std()).item()
+            print(f"{name}, {length} tokens: logit difference {rms:.4f} of the logits' spread")
+            assert 0 < rms <= QUANTIZED_LOGIT_TOLERANCE  # > 0: not the float path
 

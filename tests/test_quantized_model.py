@@ -5,6 +5,7 @@ quantized blocks (`quantization="auto"`) against the dequantized reference
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -48,17 +49,20 @@ def test_weights_stay_in_the_files_blocks(quantized, model_path):
     held[id(model.embed_tokens.packed)] = model.embed_tokens.packed.nbytes
     floats = sum(p.numel() * p.element_size() for p in model.parameters())
     total = sum(held.values()) + floats
+    assert sum(model.weight_formats().values()) == total  # what the start-up log states
     print(f"weights held: {total / 1e6:.1f} MB for {file_bytes / 1e6:.1f} MB of tensors in "
           f"the file ({total / file_bytes:.3f}x)")
     assert total <= 1.15 * file_bytes
 
 
-def test_the_path_is_named_at_start_and_none_is_the_reference(model_path, caplog):
-    with caplog.at_level(logging.INFO, logger="radixserve.engine.engine"):
+def test_the_path_load_time_and_bytes_are_logged_at_start(model_path, caplog):
+    with caplog.at_level(logging.INFO, logger="radixserve.engine"):
         LLM(str(model_path), quantization="auto", **SETTINGS)
     assert "projections: gguf (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) on the " in caplog.text
-    with pytest.raises(ValueError, match="quantization must be one of"):
-        LLM(str(model_path), quantization="int4", **SETTINGS)
+    assert re.search(r"loaded \S+ in [0-9.]+ s: 9[0-9.]+ MB of weights held \(Q8_0 ", caplog.text)
+    with pytest.raises(ValueError, match=r"quantization must be one of \('auto', 'none', "
+                                         r"'int8', 'int4'\), got 'int3'"):
+        LLM(str(model_path), quantization="int3", **SETTINGS)
 
 
 def test_greedy_output_agrees_with_the_dequantized_reference(quantized, reference):

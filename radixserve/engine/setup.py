@@ -5,6 +5,7 @@ method, the KV pool's size and the attention backends. Logged once, at start-up.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,7 @@ from radixserve.model.config import ModelConfig
 from radixserve.model.default_model import resolve_model_path
 from radixserve.model.llama import LlamaModel
 from radixserve.model.loader import load_model_files
+from radixserve.model.quantize import QUANTIZE_TO
 from radixserve.model.tokenizer import ChatTokenizer
 
 logger = logging.getLogger(__name__)
@@ -47,22 +49,37 @@ class EngineModel:
 
 def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> EngineModel:
     """The model's weights in `dtype` on `device`, its projections run by the linear method
-    the config asks for (a clear ValueError where that method cannot run here)."""
+    the config asks for (a clear ValueError where that method cannot run here). Logs how long
+    loading took and the bytes of weights held."""
+    start = time.perf_counter()
     linear = choose_linear_method(config.matmul_backend, device, dtype)
     keep: tuple[str, ...] = ()
-    if config.quantization == "auto":
+    quantize_to = QUANTIZE_TO.get(config.quantization)
+    if config.quantization != "none":
         reason = QuantizedLinear.unavailable(device, dtype)
         if reason is None:
             linear, keep = QuantizedLinear(linear), (*EXECUTED_TYPES, *REPACKED_TYPES)
+        elif quantize_to is not None:
+            raise ValueError(f"quantization={config.quantization} needs {reason}")
         else:
             logger.info("quantization=auto: quantized GGUF weights are dequantized to %s; "
                         "running them as they are needs %s", dtype, reason)
+    if quantize_to is not None:
+        logger.info("quantization=%s: float matrices are quantized to %s at load; matrices "
+                    "the file already holds quantized keep its blocks (requantizing them "
+                    "would add error and save nothing)", config.quantization, quantize_to)
     path = resolve_model_path(config.model)
-    files = load_model_files(path, progress=config.show_progress, keep_quantized=keep)
+    files = load_model_files(path, progress=config.show_progress, keep_quantized=keep,
+                             quantize_to=quantize_to)
     with torch.device("meta"):
         model = LlamaModel(files.config, linear)
-    model.load_hf_weights(files.weights, dtype)
-    return EngineModel(str(path), model.to(device).eval(), files.config, files.tokenizer)
+    model.load_hf_weights(files.weights, dtype, progress=config.show_progress)
+    model = model.to(device).eval()
+    formats = model.weight_formats()
+    logger.info("loaded %s in %.1f s: %.1f MB of weights held (%s)", path,
+                time.perf_counter() - start, sum(formats.values()) / 1e6,
+                ", ".join(f"{name} {size / 1e6:.1f} MB" for name, size in formats.items()))
+    return EngineModel(str(path), model, files.config, files.tokenizer)
 
 
 def kv_pool_pages(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) -> int:

@@ -16,10 +16,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from tqdm import tqdm
 
 from radixserve.layers.attention import LayerKV, StepAttention, StepPlan
 from radixserve.layers.linear import DenseLinear, Linear, LinearMethod
-from radixserve.layers.quantized import QuantizedEmbedding, QuantizedWeight
+from radixserve.layers.quantized import (
+    EXECUTED_TYPES,
+    PackedParts,
+    QuantizedEmbedding,
+    QuantizedWeight,
+)
 from radixserve.model.config import ModelConfig
 
 
@@ -160,9 +166,12 @@ class LlamaModel(nn.Module):
         return self.lm_head(last).float()
 
     def load_hf_weights(self, weights: dict[str, torch.Tensor | QuantizedWeight],
-                        dtype: torch.dtype) -> None:
+                        dtype: torch.dtype, progress: bool = False) -> None:
         """Takes HF-named weights, fusing q/k/v and gate/up; casts float ones to `dtype`.
-        `QuantizedWeight`s (GGUF blocks the linear method executes) stay as they are."""
+        `QuantizedWeight`s (GGUF blocks the linear method executes) are packed for the
+        kernel, layer by layer (with a progress bar if asked). Empties `weights`, so that
+        each matrix's blocks are freed once packed: a model's blocks and panels never all
+        exist at once."""
         cfg = self.config
         embed = weights["model.embed_tokens.weight"]
         head = weights.get("lm_head.weight")
@@ -187,7 +196,8 @@ class LlamaModel(nn.Module):
             state[ours + "mlp.gate_up_proj.weight"] = [
                 weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]]
             state[ours + "mlp.down_proj.weight"] = weights[p + "mlp.down_proj.weight"]
-        floats = self._take_quantized(state, dtype, tied)
+        weights.clear()
+        floats = self._take_quantized(state, dtype, tied, progress)
         missing, unexpected = self.load_state_dict(floats, strict=False, assign=True)
         missing = [m for m in missing if m != "inv_freq"]
         if missing or unexpected:
@@ -198,12 +208,35 @@ class LlamaModel(nn.Module):
             if isinstance(module, Linear):
                 module.method.prepare(module)
 
-    def _take_quantized(self, state: dict[str, Any], dtype: torch.dtype,
-                        tied: bool) -> dict[str, torch.Tensor]:
+    def weight_formats(self) -> dict[str, int]:
+        """Bytes of weights held, by format: GGUF panels by type (a table shared by the
+        embedding and a tied head counted once), float tensors by dtype."""
+        type_names = {type_id: name for name, type_id in EXECUTED_TYPES.items()}
+        held: dict[str, int] = {}
+        tables: dict[int, PackedParts] = {}
+        for module in self.modules():
+            packed = getattr(module, "packed", None)
+            if isinstance(packed, PackedParts):
+                tables[id(packed)] = packed
+        for packed in tables.values():
+            for panels, type_id in zip(packed.panels, packed.types, strict=True):
+                name = type_names[type_id]
+                held[name] = held.get(name, 0) + panels.numel()
+        for tensor in self.parameters():
+            name = str(tensor.dtype).removeprefix("torch.")
+            held[name] = held.get(name, 0) + tensor.numel() * tensor.element_size()
+        return held
+
+    def _take_quantized(self, state: dict[str, Any], dtype: torch.dtype, tied: bool,
+                        progress: bool) -> dict[str, torch.Tensor]:
         """Hands quantized weights to their layers and returns the float state; fused parts
         (lists) are concatenated, or kept as quantized parts where all of them are."""
         floats: dict[str, torch.Tensor] = {}
-        for name, value in state.items():
+        quantized = any(isinstance(p, QuantizedWeight) for value in state.values()
+                        for p in (value if isinstance(value, list) else [value]))
+        for name in tqdm(list(state), desc="Packing weights", unit="tensor",
+                         disable=not (progress and quantized)):
+            value = state.pop(name)  # the only reference left: freed once packed
             parts = value if isinstance(value, list) else [value]
             if all(isinstance(p, QuantizedWeight) for p in parts) and name.endswith(".weight"):
                 self._load_quantized(name.removesuffix(".weight"), parts, dtype, tied)

@@ -1,7 +1,7 @@
 """Reads a model from disk: an HF directory (config.json, *.safetensors, tokenizer.json) or a
 GGUF file (parsed by `gguf_file`). Both end as HF-named weights: float32 tensors, or GGUF blocks
-(`QuantizedWeight`) for the matrices the engine runs quantized: the file's own, rewritten
-where the kernels need another format (see radixserve/model/quantize.py).
+(`QuantizedWeight`) for the matrices the engine runs quantized: the file's own blocks, or float
+matrices quantized as they are read (`quantize_to`, see radixserve/model/quantize.py).
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import warnings
 from collections.abc import Collection
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,12 +20,13 @@ from tqdm import tqdm
 from radixserve.layers.quantized import REPACKED_TYPES, QuantizedWeight
 from radixserve.model.config import ModelConfig
 from radixserve.model.gguf_file import GGUFFile, GGUFTensor, dequantize
-from radixserve.model.quantize import repack
+from radixserve.model.quantize import quantize, repack
 from radixserve.model.tokenizer import ChatTokenizer, load_gguf_tokenizer, load_hf_tokenizer
 
 # GGUF tensor-type names we dequantize (gguf_file can decode more; these are tested).
 GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q3_K", "Q4_K",
               "Q5_K", "Q6_K")
+FLOAT_TYPES = ("F32", "F16", "BF16")
 
 _GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -53,11 +55,14 @@ class LoadedModel:
 
 
 def load_model_files(path: str | Path, progress: bool = True,
-                     keep_quantized: Collection[str] = ()) -> LoadedModel:
+                     keep_quantized: Collection[str] = (),
+                     quantize_to: str | None = None) -> LoadedModel:
     """Loads config, weights and tokenizer from an HF directory or a `.gguf` file. GGUF
     matrices in a format named in `keep_quantized` stay in the file's blocks
-    (`QuantizedWeight`; formats in REPACKED_TYPES rewritten into an executed one);
-    everything else is dequantized to float32."""
+    (`QuantizedWeight`; formats in REPACKED_TYPES rewritten into an executed one); with
+    `quantize_to` (Q8_0 or Q4_1), float matrices (projections, the embedding, an untied LM
+    head) are quantized to it as they are read, where a row's length is a multiple of 32.
+    Everything else is dequantized to float32."""
     path = Path(path).expanduser()
     if not path.exists():
         raise FileNotFoundError(
@@ -65,15 +70,15 @@ def load_model_files(path: str | Path, progress: bool = True,
             "(config.json, *.safetensors, tokenizer.json) or a .gguf file"
         )
     if path.is_file() and path.suffix == ".gguf":
-        return _load_gguf(path, progress, frozenset(keep_quantized))
+        return _load_gguf(path, progress, frozenset(keep_quantized), quantize_to)
     if path.is_dir() and (path / "config.json").exists():
-        return _load_hf_dir(path, progress)
+        return _load_hf_dir(path, progress, quantize_to)
     raise ValueError(
         f"{str(path)!r} is neither a .gguf file nor an HF model directory with config.json"
     )
 
 
-def _load_hf_dir(path: Path, progress: bool) -> LoadedModel:
+def _load_hf_dir(path: Path, progress: bool, quantize_to: str | None) -> LoadedModel:
     from safetensors import safe_open
 
     raw = json.loads((path / "config.json").read_text())
@@ -81,12 +86,23 @@ def _load_hf_dir(path: Path, progress: bool) -> LoadedModel:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path} has no *.safetensors weights (.bin files are not supported)")
-    weights: dict[str, torch.Tensor] = {}
-    for file in tqdm(files, desc="Loading safetensors", disable=not progress):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                weights[name] = f.get_tensor(name).float()
+    weights: dict[str, torch.Tensor | QuantizedWeight] = {}
+    with ExitStack() as stack:
+        handles = [stack.enter_context(safe_open(str(file), framework="pt")) for file in files]
+        names = [(f, name) for f in handles for name in f.keys()
+                 # A tied head is the embedding table: a saved copy is not read (or quantized).
+                 if not (config.tie_word_embeddings and name == "lm_head.weight")]
+        for f, name in tqdm(names, desc="Loading weights", unit="tensor", disable=not progress):
+            tensor = f.get_tensor(name)
+            matrix = tensor.dim() == 2 and tensor.shape[1] % 32 == 0
+            weights[name] = (_quantized(tensor, quantize_to) if quantize_to and matrix
+                             else tensor.float())
     return LoadedModel(config, weights, load_hf_tokenizer(path), str(path))
+
+
+def _quantized(weight: torch.Tensor, type_name: str) -> QuantizedWeight:
+    rows, cols = weight.shape
+    return QuantizedWeight(type_name, rows, cols, quantize(weight, type_name))
 
 
 def _unpermute_qk(w: torch.Tensor | QuantizedWeight, n_head: int) -> torch.Tensor | QuantizedWeight:
@@ -102,7 +118,8 @@ def _unpermute_qk(w: torch.Tensor | QuantizedWeight, n_head: int) -> torch.Tenso
     )
 
 
-def _load_gguf(path: Path, progress: bool, keep: frozenset[str]) -> LoadedModel:
+def _load_gguf(path: Path, progress: bool, keep: frozenset[str],
+               quantize_to: str | None) -> LoadedModel:
     gguf_file = GGUFFile.open(path)
     meta = gguf_file.metadata
     arch = meta.get("general.architecture")
@@ -139,9 +156,8 @@ def _load_gguf(path: Path, progress: bool, keep: frozenset[str]) -> LoadedModel:
     )
     weights: dict[str, torch.Tensor | QuantizedWeight] = {}
     tensors = gguf_file.tensors.values()
-    for tensor in tqdm(tensors, desc="Loading GGUF", disable=not progress):
-        kept = tensor.type_name in keep and len(tensor.dims) == 2
-        weights[_hf_name(tensor.name)] = _blocks(tensor) if kept else _dequantize(tensor)
+    for tensor in tqdm(tensors, desc="Loading weights", unit="tensor", disable=not progress):
+        weights[_hf_name(tensor.name)] = _gguf_weight(tensor, keep, quantize_to)
     if arch in ("llama", "mistral"):
         for i in range(config.num_layers):
             q = f"model.layers.{i}.self_attn.q_proj.weight"
@@ -171,6 +187,29 @@ def _hf_name(name: str) -> str:
     if base in _GGUF_TOP_NAMES:
         return f"{_GGUF_TOP_NAMES[base]}.{suffix}"
     return name
+
+
+def _gguf_weight(tensor: GGUFTensor, keep: frozenset[str],
+                 quantize_to: str | None) -> torch.Tensor | QuantizedWeight:
+    """The file's blocks (a format in `keep`), a float matrix quantized to `quantize_to`, or
+    float32. Quantized matrices are never requantized: their blocks carry the file's own
+    rounding, and decoding a Q4 tensor to store it as Q8_0 gains nothing."""
+    matrix = len(tensor.dims) == 2
+    if matrix and tensor.type_name in keep:
+        return _blocks(tensor)
+    if (matrix and quantize_to and tensor.type_name in FLOAT_TYPES
+            and tensor.dims[0] % 32 == 0):
+        return _quantized(_float_view(tensor), quantize_to)
+    return _dequantize(tensor)
+
+
+def _float_view(tensor: GGUFTensor) -> torch.Tensor:
+    """An F32/F16/BF16 tensor as a torch view of the map, in its own dtype (no copy)."""
+    kind = {"F32": "<f4", "F16": "<f2", "BF16": "<i2"}[tensor.type_name]
+    with warnings.catch_warnings():  # read-only map: torch warns, but nothing writes to it
+        warnings.simplefilter("ignore", UserWarning)
+        view = torch.from_numpy(tensor.data.view(kind)).view(tensor.shape)
+    return view.view(torch.bfloat16) if tensor.type_name == "BF16" else view
 
 
 def _blocks(tensor: GGUFTensor) -> QuantizedWeight:
