@@ -1,10 +1,13 @@
-"""Decode attention, the C++ kernel against the PyTorch path, on the same batch and pool.
+"""Attention over the paged pool, the C++ kernel against the PyTorch paths, on the same batch
+and pool; the kernel on this CPU's best vector path and on its portable C++ one.
 
-Decode requests whose contexts sit in the real engine's KV pool (default model, its pool and
+Decode: requests whose contexts sit in the real engine's KV pool (default model, its pool and
 runner), laid out as the prefix cache lays them out: a few shared prefixes, each request's
 own suffix and output after them. For each shape: one layer's decode attention alone (the
 kernel's single call vs the PyTorch path's gathers, bmm and softmax over the runner's decode
 groups), and a whole decode step (the model forward over the batch) with either backend.
+Prefill: one layer's causal attention over a prompt's chunk (kernel vs SDPA), and the whole
+prompt's prefill through the model with either prefill backend.
 
     .venv/bin/python benchmarks/bench_decode_attention.py --out results/decode_attention.json
 """
@@ -24,7 +27,8 @@ from timing import best_ms
 
 from radixserve import LLM, SamplingParams
 from radixserve.engine.request import Request
-from radixserve.engine.scheduler import SchedulerOutput
+from radixserve.engine.scheduler import ScheduledChunk, SchedulerOutput
+from radixserve.kernels import ATTENTION_PATHS, attention_path
 from radixserve.layers.attention import choose_backend
 
 # (label, requests, distinct prefixes, prefix tokens, own tokens per request)
@@ -84,6 +88,12 @@ def measure(llm: LLM, shape: tuple[str, int, int, int, int], repeat: int) -> dic
             metadata = runner.build_batch(plan)[0].attention_plan.decode
             result[f"layer_{name}_ms"] = best_ms(
                 lambda b=backend, m=metadata: b.forward(q, kv, kv, cache, m, out), repeat)
+            if name == "kernel":
+                top, backend.max_path = backend.max_path, 0
+                result["layer_portable_ms"] = best_ms(
+                    lambda b=backend, m=metadata: b.forward(q, kv, kv, cache, m, out),
+                    max(1, repeat // 10))
+                backend.max_path = top
             result[f"step_{name}_ms"] = best_ms(
                 lambda: model(runner.build_batch(plan)[0], pool.layers), max(1, repeat // 10))
         finally:
@@ -96,28 +106,83 @@ def measure(llm: LLM, shape: tuple[str, int, int, int, int], repeat: int) -> dic
     return result
 
 
+def measure_prefill(llm: LLM, tokens: int, repeat: int) -> dict:
+    """A `tokens`-long prompt prefilled in one chunk: one layer's attention (kernel vs SDPA)
+    and the model's whole forward with either prefill backend."""
+    engine = llm.engine
+    runner, model, pool = engine.runner, engine.model, engine.pool
+    kernel_path = runner.attention
+    assert kernel_path.prefill.name == "kernel", "the C++ kernel did not build here"
+    sdpa_path = dataclasses.replace(
+        kernel_path, prefill=choose_backend("prefill", "sdpa", kernel_path.prefill.env))
+    rng = random.Random(1)
+    request = Request("p", [rng.randrange(200, 40000) for _ in range(tokens)],
+                      SamplingParams(max_tokens=1))
+    request.slots = pool.allocator.allocate(tokens)
+    plan = SchedulerOutput(prefills=[ScheduledChunk(request, tokens)])
+    env = kernel_path.prefill.env
+    cache = pool.layers[0]
+    q = torch.randn(tokens, env.num_heads, env.head_dim, dtype=cache.k.dtype)
+    kv = torch.randn(tokens, env.num_kv_heads, env.head_dim, dtype=cache.k.dtype)
+    out = torch.empty_like(q)
+    result: dict[str, object] = {"shape": f"prefill of {tokens:,} tokens", "tokens": tokens}
+    for name, attention in (("kernel", kernel_path), ("sdpa", sdpa_path)):
+        runner.attention = attention
+        try:
+            backend = attention.prefill
+            metadata = runner.build_batch(plan)[0].attention_plan.prefill
+            result[f"layer_{name}_ms"] = best_ms(
+                lambda b=backend, m=metadata: b.forward(q, kv, kv, cache, m, out), repeat)
+            result[f"model_{name}_ms"] = best_ms(
+                lambda: model(runner.build_batch(plan)[0], pool.layers), 1, warmup=1)
+        finally:
+            runner.attention = kernel_path
+    result["layer_speedup"] = result["layer_sdpa_ms"] / result["layer_kernel_ms"]
+    result["model_speedup"] = result["model_sdpa_ms"] / result["model_kernel_ms"]
+    pool.allocator.release(request.slots)
+    return result
+
+
+def _cpu_flags() -> str:
+    with open("/proc/cpuinfo") as f:
+        flags = next(line for line in f if line.startswith("flags")).split()
+    return " ".join(sorted(f for f in set(flags) if f.startswith("avx512") or f in ("avx2", "fma")))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None)
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="auto")
     parser.add_argument("--repeat", type=int, default=50)
+    parser.add_argument("--prefill-tokens", type=int, nargs="*", default=[500, 2000])
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    print(f"CPU flags: {_cpu_flags()}; kernel path: {ATTENTION_PATHS[attention_path()]}; "
+          f"dtype {args.dtype}; {torch.get_num_threads()} threads")
     llm = LLM(args.model, dtype=args.dtype, kv_cache_tokens=80_000, show_progress=False)
     rows = []
     for shape in SHAPES:
         row = measure(llm, shape, args.repeat)
         rows.append(row)
-        print(f"{row['shape']:50s} layer: kernel {row['layer_kernel_ms']:.3f} ms vs torch "
+        print(f"{row['shape']:50s} layer: kernel {row['layer_kernel_ms']:.3f} ms "
+              f"(portable {row['layer_portable_ms']:.3f}) vs torch "
               f"{row['layer_torch_ms']:.3f} ms ({row['layer_speedup']:.1f}x) | step: kernel "
               f"{row['step_kernel_ms']:.1f} ms vs torch {row['step_torch_ms']:.1f} ms "
               f"({row['step_speedup']:.2f}x)", flush=True)
+    for tokens in args.prefill_tokens:
+        row = measure_prefill(llm, tokens, max(1, args.repeat // 25))
+        rows.append(row)
+        print(f"{row['shape']:50s} layer: kernel {row['layer_kernel_ms']:.1f} ms vs sdpa "
+              f"{row['layer_sdpa_ms']:.1f} ms ({row['layer_speedup']:.2f}x) | model: kernel "
+              f"{row['model_kernel_ms']:.0f} ms vs sdpa {row['model_sdpa_ms']:.0f} ms "
+              f"({row['model_speedup']:.2f}x)", flush=True)
     report = {
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "machine": platform.processor() or platform.machine(),
         "threads": torch.get_num_threads(),
         "dtype": args.dtype,
-        "kernel_level": torch.ops.radixserve.decode_attention_level(),
+        "cpu_flags": _cpu_flags(),
+        "kernel_path": ATTENTION_PATHS[attention_path()],
         "rows": rows,
     }
     if args.out:

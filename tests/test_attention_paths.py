@@ -76,7 +76,7 @@ def test_cpus_that_emulate_bfloat16_keep_sdpa():
     # 30x slower than SDPA, so it is not offered there (its arithmetic is checked above on
     # every machine).
     assert "AVX512-BF16" in BlockedPrefill.unavailable(_env(native_bf16=False))
-    assert choose_backend("prefill", "auto", _env(native_bf16=False)).name == "sdpa"
+    assert choose_backend("prefill", "sdpa", _env(native_bf16=False)).name == "sdpa"
 
 
 class _Planned:
@@ -175,9 +175,13 @@ def test_one_chooser_picks_each_role_by_setting_and_place():
     # refused with the setting's name, never swapped for another.
     cpu_bf16, cpu_f32 = _env(torch.bfloat16), _env(torch.float32)
     cuda = AttentionEnv(6, 2, 32, None, 4096, torch.device("cuda"), torch.bfloat16)
-    assert choose_backend("prefill", "auto", cpu_bf16).name == "blocked"
-    assert choose_backend("prefill", "auto", cpu_f32).name == "sdpa"
+    # On the CPU the kernel takes both roles (a row's bits then never depend on chunking).
+    assert choose_backend("prefill", "auto", cpu_bf16).name == "kernel"
+    assert choose_backend("prefill", "auto", cpu_f32).name == "kernel"
+    assert choose_backend("decode", "auto", cpu_f32).name == "kernel"
+    assert choose_backend("prefill", "blocked", cpu_bf16).name == "blocked"
     assert choose_backend("prefill", "auto", cuda).name == "sdpa"
+    assert choose_backend("prefill", "auto", _env(torch.float16)).name == "blocked"
     assert choose_backend("decode", "auto", cuda).name == "torch"
     assert choose_backend("decode", "torch", cpu_f32).name == "torch"
     with pytest.raises(ValueError, match="attention_backend='kernel' needs a CPU device"):

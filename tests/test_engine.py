@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from radixserve import LLM, SamplingParams
-from tests.conftest import SMALL_ENGINE, use_decode_backend
+from tests.conftest import SMALL_ENGINE, use_torch_attention
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
@@ -54,12 +54,18 @@ def test_batched_equals_one_at_a_time(llm, reference):
     _assert_idle(llm)
 
 
-def test_torch_decode_path_matches_one_at_a_time(llm, reference, monkeypatch):
-    # The PyTorch decode backend (gathers, shared-prefix groups) gives the batched outputs the
-    # default path gives one request at a time.
-    prompts, one_by_one = reference
-    use_decode_backend(monkeypatch, llm, "torch")
-    assert llm.engine.runner.attention.decode.name == "torch"
+def test_torch_attention_path_matches_one_at_a_time(model_path, monkeypatch):
+    # The PyTorch attention backends (gathers and shared-prefix groups for decode, SDPA for
+    # prefill) give the batched outputs the kernel gives one request at a time, in float32 on
+    # the dequantized weights (with int8-quantized activations their last-bit differences from
+    # the kernel would turn into different roundings).
+    llm = LLM(str(model_path), dtype="float32", prefix_cache="off", quantization="none",
+              **SMALL_ENGINE)
+    prompts = [{"prompt_token_ids": _chat_ids(llm, q, repeat=i + 1)}
+               for i, q in enumerate(QUESTIONS)]
+    one_by_one = [_tokens(llm.generate(p, GREEDY))[0] for p in prompts]
+    use_torch_attention(monkeypatch, llm)
+    assert llm.engine.runner.attention.name == "decode torch, prefill sdpa"
     assert _tokens(llm.generate(prompts, GREEDY)) == one_by_one
     _assert_idle(llm)
 

@@ -79,10 +79,11 @@ BF16_LOGIT_TOLERANCE = 1.0
 
 def test_bfloat16_prefill_stays_close_to_float32(llm, model_path, monkeypatch):
     # bfloat16 prefill, whole and chunked (a chunk attends to the cached context before it),
-    # stays close to float32. It runs the prefill attention this CPU gets: our blocked causal
-    # attention where bfloat16 is native (AVX512-BF16/AMX), SDPA with projections widened to
-    # float32 where it is emulated (AVX2); the blocked arithmetic itself is checked on every
-    # machine in test_attention_paths.
+    # stays close to float32. It runs the matmul prefill attention this CPU would take without
+    # the attention kernel (which is checked against float64 in test_paged_attention): our
+    # blocked causal attention where bfloat16 is native (AVX512-BF16/AMX), SDPA where it is
+    # emulated (AVX2); the blocked arithmetic itself is checked on every machine in
+    # test_attention_paths.
     from radixserve.kernels.cpu import has_fast_bf16
     from radixserve.layers.attention.blocked_prefill import BlockedPrefill
     from radixserve.layers.attention.sdpa_prefill import SdpaPrefill
@@ -96,7 +97,8 @@ def test_bfloat16_prefill_stays_close_to_float32(llm, model_path, monkeypatch):
         return original(self, q, keys, values, span)
 
     monkeypatch.setattr(backend, "attend", counted)
-    whole = LLM(str(model_path), dtype="bfloat16", **SMALL_ENGINE)
+    whole = LLM(str(model_path), dtype="bfloat16", prefill_attention_backend=backend.name,
+                **SMALL_ENGINE)
     assert type(whole.engine.runner.attention.prefill) is backend
     print(f"bfloat16 prefill runs {backend.name}, projections {whole.engine.model.linear_method.name}")
     for prompt in _prompts(llm):
@@ -106,7 +108,8 @@ def test_bfloat16_prefill_stays_close_to_float32(llm, model_path, monkeypatch):
         assert ours.argmax() == ref.argmax(), len(prompt)
     assert calls and max(calls) == 0
     del whole
-    chunked = LLM(str(model_path), dtype="bfloat16", max_num_batched_tokens=96, **SMALL_ENGINE)
+    chunked = LLM(str(model_path), dtype="bfloat16", max_num_batched_tokens=96,
+                  prefill_attention_backend=backend.name, **SMALL_ENGINE)
     prompt = _prompts(llm)[-1]  # 1,000 tokens: eleven chunks
     result = chunked.generate({"prompt_token_ids": prompt},
                               SamplingParams(max_tokens=1, temperature=0))[0]

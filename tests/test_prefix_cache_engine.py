@@ -1,6 +1,8 @@
 """The prefix cache inside the engine, on the real default model: reuse is exact (cache on ==
-cache off), honest (num_cached_tokens == the true shared prefix), shared across concurrent
-requests, and kept apart between tenants."""
+cache off, bit for bit: on the default path, the GGUF kernels and the attention kernel, every
+row's arithmetic is independent of batching and chunking; on the PyTorch attention path, in
+float32 on the dequantized weights), honest (num_cached_tokens == the true shared prefix),
+shared across concurrent requests, and kept apart between tenants."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import random
 import pytest
 
 from radixserve import LLM, SamplingParams
-from tests.conftest import use_decode_backend
+from tests.conftest import use_torch_attention
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
@@ -30,6 +32,19 @@ def radix(model_path):
 @pytest.fixture(scope="module")
 def off(model_path):
     return _engine(model_path, prefix_cache="off")
+
+
+# The PyTorch attention path (the CUDA path) promises equality where its arithmetic is float32
+# on float weights: int8-quantized activations would turn SDPA's chunk-dependent last bits
+# into different roundings.
+@pytest.fixture(scope="module")
+def radix_float(model_path):
+    return _engine(model_path, prefix_cache="radix", quantization="none")
+
+
+@pytest.fixture(scope="module")
+def off_float(model_path):
+    return _engine(model_path, prefix_cache="off", quantization="none")
 
 
 def _assert_idle(llm: LLM) -> None:
@@ -71,20 +86,26 @@ def _run_rounds(llm: LLM, rounds: list[list[list[int]]]) -> list[list[int]]:
     return out
 
 
-@pytest.mark.parametrize("decode", ["kernel", "torch"])
-def test_cache_on_equals_cache_off(radix, off, decode, monkeypatch):
-    # Both decode attention paths: the C++ kernel reading the pool in place, and PyTorch's
-    # gathers with shared-prefix groups.
-    # the engines default to the kernel
-    assert radix.engine.runner.attention.decode.name == "kernel"
-    if decode == "torch":
-        for llm in (radix, off):
-            use_decode_backend(monkeypatch, llm, "torch")
+def test_cache_on_equals_cache_off(radix, off):
+    # The default path: the attention kernel in both roles.
+    attention = radix.engine.runner.attention
+    assert (attention.decode.name, attention.prefill.name) == ("kernel", "kernel")
     rounds = _mixed_workload(radix)
     expected = _run_rounds(off, rounds)
     assert _run_rounds(radix, rounds) == expected
     assert radix.engine.scheduler.counters.prefix_cache_hits > 0
     _assert_idle(radix)
+
+
+def test_cache_on_equals_cache_off_on_the_pytorch_path(radix_float, off_float, monkeypatch):
+    # PyTorch's decode gathers with shared-prefix groups and SDPA prefill over cached context.
+    for llm in (radix_float, off_float):
+        use_torch_attention(monkeypatch, llm)
+    rounds = _mixed_workload(radix_float)
+    expected = _run_rounds(off_float, rounds)
+    assert _run_rounds(radix_float, rounds) == expected
+    assert radix_float.engine.scheduler.counters.prefix_cache_hits > 0
+    _assert_idle(radix_float)
 
 
 @pytest.mark.parametrize("mode, page_size", [("radix", 1), ("radix", 4), ("hash", 16)])
@@ -170,7 +191,8 @@ def test_n_samples_share_the_prompt(radix):
     _assert_idle(radix)
 
 
-def test_decode_groups_sharing_different_prefixes_match_cache_off(radix, off, monkeypatch):
+def test_decode_groups_sharing_different_prefixes_match_cache_off(radix_float, off_float,
+                                                                  monkeypatch):
     # Two system prompts, three chats each, decoding in one batch: on the PyTorch decode path
     # each trio's prefix is gathered once per step for the trio, and outputs equal the
     # cache-off ones.
@@ -179,7 +201,9 @@ def test_decode_groups_sharing_different_prefixes_match_cache_off(radix, off, mo
     prompts = [{"prompt_token_ids": systems[i % 2] + [rng.randrange(200, 40000) for _ in range(4 + i)]}
                for i in range(6)]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    use_decode_backend(monkeypatch, radix, "torch")
+    radix, off = radix_float, off_float
+    for llm in (radix, off):
+        use_torch_attention(monkeypatch, llm)
     decode = radix.engine.runner.attention.decode
     seen: list[list[tuple[int, int]]] = []
     original = decode.group_decodes
@@ -197,11 +221,13 @@ def test_decode_groups_sharing_different_prefixes_match_cache_off(radix, off, mo
     _assert_idle(radix)
 
 
-def test_kv_read_through_slot_runs_matches_cache_off(radix, off, monkeypatch):
+def test_kv_read_through_slot_runs_matches_cache_off(radix_float, off_float, monkeypatch):
     # Cached prefixes and prompts are allocated as slot runs; with the run threshold lowered,
     # attention reads them as views of the pool (prefill over a cached context, and decode on
     # the PyTorch path) instead of gathering slot by slot. Outputs must not change.
-    use_decode_backend(monkeypatch, radix, "torch")
+    radix, off = radix_float, off_float
+    for llm in (radix, off):
+        use_torch_attention(monkeypatch, llm)
     attention = radix.engine.runner.attention
     plans = []
     for backend in (attention.decode, attention.prefill):

@@ -1,21 +1,23 @@
-// Decode attention read straight out of the paged KV pool, on the CPU.
+// Attention read straight out of the paged KV pool, on the CPU, for decode rows and prefill
+// rows alike.
 //
 // Why a kernel: with PyTorch ops, each decode step first copies every request's context K/V
 // out of the pool into a padded batch (index_select), then multiplies it. At eight requests on
 // 1,500-token contexts that copy and its extra kernels were a third of the step. Here each
-// (request, kv head) walks its slot table and reads K/V rows where they lie, once.
+// (row, kv head) walks its slot table and reads K/V rows where they lie.
+//
+// Why prefill rows too: a row's result is a function of its query and its context's K/V
+// alone, computed the same way whatever rows share the call. So a position gets the same bits
+// whether it is prefilled in one chunk or several or decoded, and the K/V it leaves in the
+// pool (and every token after) are the same with the prefix cache on or off. PyTorch's SDPA
+// blocks its work by the chunk's shape, so its last bits move with chunking.
 //
 // Layout (see kv_pool.py): a layer's pool is head-major, [kv_heads, slots, head_dim], so one
-// slot of one head is a contiguous row of head_dim values. q is [batch, heads, head_dim] with
+// slot of one head is a contiguous row of head_dim values. q is [rows, heads, head_dim] with
 // the query heads of kv head h at h*G .. h*G+G-1 (G = heads / kv_heads, as HF's repeat_kv).
-// Request b's context is slots[starts[b] .. starts[b+1]), in position order; its newest token
-// is already written to the pool.
-//
-// The arithmetic is the same whatever slots a context sits in, so an output does not depend
-// on whether its prefix came from the prefix cache or from its own prefill (cache on == off).
-// Work items are (kv head, request) in that order, split into contiguous ranges per thread:
-// requests that share a cached prefix are adjacent in the batch (the runner orders them), so a
-// thread reads a shared prefix from DRAM once and finds it in L2 for the next request.
+// Row r's context is slots[begins[r] .. begins[r] + lengths[r]), in position order; its own
+// K/V are already written to the pool. The arithmetic is the same whatever slots a context
+// sits in, so an output does not depend on whether its prefix came from the prefix cache.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -268,74 +270,290 @@ RS_AVX512BF16 void attend_bf16(const c10::BFloat16* q, const c10::BFloat16* keys
 }
 #endif
 
-// How far the vector code may go (radixserve::cpu_level): 0 portable C++, 1 AVX-512, 2
-// AVX-512 with BF16 (bfloat16 pools only). The kernel takes the lesser of what the caller
-// allows and what the CPU has, so tests can run every path on one machine.
+#ifdef RS_X86
+// AVX2 + FMA (most CPUs without AVX-512): the same two passes as attend_avx512, 8 floats at a
+// time. Scores are summed four keys at a time and reduced together (hadd), not one horizontal
+// sum per key.
+RS_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+RS_AVX2 inline __m256 load8(const c10::BFloat16* p) {
+  __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+}
+
+RS_AVX2 inline float sum8(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_add_ss(x, _mm_movehdup_ps(x));
+  return _mm_cvtss_f32(x);
+}
+
+RS_AVX2 inline float max8(__m256 v) {
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_max_ss(x, _mm_movehdup_ps(x));
+  return _mm_cvtss_f32(x);
+}
+
+// The sums of a, b, c, d's eight lanes, in that order.
+RS_AVX2 inline __m128 sum8x4(__m256 a, __m256 b, __m256 c, __m256 d) {
+  __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
+// e^x for x <= 0, as exp16: the same Cephes polynomial, 2^n built in the exponent bits.
+RS_AVX2 inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  // n >= -126 after the clamp: 2^n is a normal float with exponent bits n + 127.
+  __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+// Lanes [0, count) set, for count in [0, 8].
+RS_AVX2 inline __m256i first_lanes(int64_t count) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count)),
+                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+RS_AVX2 inline float softmax_in_place_avx2(float* s, int64_t n, float scale) {
+  __m256 top = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t t = 0;
+  for (; t + 8 <= n; t += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(s + t));
+  float m = max8(top);
+  for (; t < n; ++t) m = std::max(m, s[t]);
+  const __m256 mv = _mm256_set1_ps(m), sv = _mm256_set1_ps(scale);
+  __m256 sum = _mm256_setzero_ps();
+  for (t = 0; t + 8 <= n; t += 8) {
+    __m256 e = exp8(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(s + t), mv), sv));
+    _mm256_storeu_ps(s + t, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  if (t < n) {
+    const __m256i tail = first_lanes(n - t);
+    __m256 e = exp8(_mm256_mul_ps(_mm256_sub_ps(_mm256_maskload_ps(s + t, tail), mv), sv));
+    e = _mm256_and_ps(e, _mm256_castsi256_ps(tail));
+    _mm256_maskstore_ps(s + t, tail, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  return sum8(sum);
+}
+
+template <typename T, int D>
+RS_AVX2 inline __m256 dot_avx2(const __m256* q, const T* k) {
+  __m256 acc = _mm256_mul_ps(q[0], load8(k));
+  for (int j = 1; j < D / 8; ++j) acc = _mm256_fmadd_ps(q[j], load8(k + 8 * j), acc);
+  return acc;
+}
+
+// A tile of R rows that share a prefix (one prefill chunk's rows; decode rows of requests on
+// one cached prefix) and their G query heads each, against one kv head; row r reads keys
+// tables[r][0 .. n[r]). Keys and values are read in blocks that stay in L1 while every query
+// of the tile uses them (a shared prefix's block is the same memory for every row); each
+// query's arithmetic is still its own, in key order, so a row's result is bitwise the same in
+// a tile of one or of eight, with whatever rows beside it.
+// q: [R][G][D] floats; scores: R * G rows of `stride` floats; acc: R * G * D floats.
+template <typename T, int D>
+RS_AVX2 void attend_tile_avx2(const float* q, int64_t tile, const int64_t* n, const T* keys,
+                              const T* values, const int32_t* const* tables, int64_t groups,
+                              float scale, float* scores, int64_t stride, float* acc,
+                              T* const* outs) {
+  constexpr int W = D / 8;
+  constexpr int64_t kBlock = 4096 / D;  // 16 KB of float32 keys: an L1-sized block
+  int64_t longest = 0;
+  for (int64_t r = 0; r < tile; ++r) longest = std::max(longest, n[r]);
+  for (int64_t start = 0; start < longest; start += kBlock) {
+    for (int64_t r = 0; r < tile; ++r) {
+      const int64_t end = std::min(start + kBlock, n[r]);
+      const int32_t* slots = tables[r];
+      for (int64_t g = 0; g < groups && start < end; ++g) {
+        __m256 qg[W];
+        for (int j = 0; j < W; ++j) qg[j] = _mm256_loadu_ps(q + (r * groups + g) * D + 8 * j);
+        float* s = scores + (r * groups + g) * stride;
+        int64_t t = start;
+        for (; t + 4 <= end; t += 4) {
+          const T* k0 = keys + static_cast<int64_t>(slots[t]) * D;
+          const T* k1 = keys + static_cast<int64_t>(slots[t + 1]) * D;
+          const T* k2 = keys + static_cast<int64_t>(slots[t + 2]) * D;
+          const T* k3 = keys + static_cast<int64_t>(slots[t + 3]) * D;
+          _mm_storeu_ps(s + t, sum8x4(dot_avx2<T, D>(qg, k0), dot_avx2<T, D>(qg, k1),
+                                      dot_avx2<T, D>(qg, k2), dot_avx2<T, D>(qg, k3)));
+        }
+        for (; t < end; ++t)
+          s[t] = sum8(dot_avx2<T, D>(qg, keys + static_cast<int64_t>(slots[t]) * D));
+      }
+    }
+  }
+  std::vector<float> total(tile * groups);
+  for (int64_t r = 0; r < tile; ++r)
+    for (int64_t g = 0; g < groups; ++g)
+      total[r * groups + g] = softmax_in_place_avx2(scores + (r * groups + g) * stride, n[r], scale);
+  std::fill(acc, acc + tile * groups * D, 0.f);
+  for (int64_t start = 0; start < longest; start += kBlock) {
+    for (int64_t r = 0; r < tile; ++r) {
+      const int64_t end = std::min(start + kBlock, n[r]);
+      const int32_t* slots = tables[r];
+      for (int64_t g = 0; g < groups && start < end; ++g) {
+        const float* s = scores + (r * groups + g) * stride;
+        float* a = acc + (r * groups + g) * D;
+        __m256 sum[W];
+        for (int j = 0; j < W; ++j) sum[j] = _mm256_loadu_ps(a + 8 * j);
+        for (int64_t t = start; t < end; ++t) {
+          const T* v = values + static_cast<int64_t>(slots[t]) * D;
+          const __m256 p = _mm256_set1_ps(s[t]);
+          for (int j = 0; j < W; ++j) sum[j] = _mm256_fmadd_ps(p, load8(v + 8 * j), sum[j]);
+        }
+        for (int j = 0; j < W; ++j) _mm256_storeu_ps(a + 8 * j, sum[j]);
+      }
+    }
+  }
+  for (int64_t r = 0; r < tile; ++r)
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* a = acc + (r * groups + g) * D;
+      const __m256 inv = _mm256_set1_ps(1.0f / total[r * groups + g]);
+      alignas(32) float row[D];
+      for (int j = 0; j < W; ++j) _mm256_store_ps(row + 8 * j, _mm256_mul_ps(_mm256_loadu_ps(a + 8 * j), inv));
+      for (int d = 0; d < D; ++d) outs[r][g * D + d] = static_cast<T>(row[d]);
+    }
+}
+#endif
+
+// The vector path (an index of the Python side's ATTENTION_PATHS): 0 portable C++, 1 AVX2 with
+// FMA, 2 AVX-512, 3 AVX-512 with BF16 (bfloat16 pools only; float32 ones run path 2 there).
+inline int best_path() {
+  const int level = cpu_level();
+  if (level > 0) return level + 1;
+#ifdef RS_X86
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 1;
+#endif
+  return 0;
+}
+
+constexpr int64_t kTileRows = 8;
+
+// Rows are cut into tiles: runs of up to kTileRows consecutive rows whose contexts start at
+// the same slot (one prefill chunk's rows; decode rows on one cached prefix). Work items are (kv head,
+// tile); they go to threads in contiguous runs of about equal work (the sum of the rows'
+// context lengths): a chunk's rows grow longer row by row, so equal counts of items would
+// leave one thread with most of the work. Items run kv head by kv head, and rows sharing a
+// prefix are adjacent (the runner orders them), so a thread reads a shared prefix from DRAM
+// once per head and finds it in cache for the next tile.
 template <typename T>
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-         const at::Tensor& slots, const at::Tensor& starts, float scale, int level,
-         at::Tensor& out) {
-  const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
+         const at::Tensor& slots, const at::Tensor& begins, const at::Tensor& lengths,
+         float scale, int path, at::Tensor& out) {
+  const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2);
   const int64_t kv_heads = k_cache.size(0), num_slots = k_cache.size(1);
   const int64_t groups = heads / kv_heads;
   const T* qp = q.data_ptr<T>();
   const T* kp = k_cache.data_ptr<T>();
   const T* vp = v_cache.data_ptr<T>();
   const int32_t* sp = slots.data_ptr<int32_t>();
-  const int64_t* st = starts.data_ptr<int64_t>();
+  const int64_t* bp = begins.data_ptr<int64_t>();
+  const int64_t* lp = lengths.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
+  std::vector<int64_t> tiles{0};  // tile i is rows [tiles[i], tiles[i + 1])
+  std::vector<int64_t> cost;  // a tile's work, in keys read
   int64_t longest = 0;
-  for (int64_t b = 0; b < batch; ++b) longest = std::max(longest, st[b + 1] - st[b]);
-  at::parallel_for(0, kv_heads * batch, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(groups * longest);
+  for (int64_t r = 0; r < rows; ++r) {
+    longest = std::max(longest, lp[r]);
+    const bool joins = r > tiles.back() && r - tiles.back() < kTileRows &&
+                       sp[bp[r]] == sp[bp[r - 1]];
+    if (r > 0 && !joins) tiles.push_back(r);
+    if (cost.size() < tiles.size()) cost.push_back(0);
+    cost.back() += lp[r] + 16;  // a row's fixed cost, in keys
+  }
+  tiles.push_back(rows);
+  const int64_t num_tiles = static_cast<int64_t>(cost.size());
+  const int64_t items = kv_heads * num_tiles;  // item i: kv head i / num_tiles, tile i % num_tiles
+  const int64_t parts = std::min<int64_t>(at::get_num_threads(), items);
+  std::vector<int64_t> edges(parts + 1, items);
+  edges[0] = 0;
+  int64_t total = 0;
+  for (int64_t c : cost) total += c * kv_heads;
+  for (int64_t i = 0, part = 1, done = 0; i < items && part < parts; ++i) {
+    done += cost[i % num_tiles];
+    while (part < parts && done * parts >= total * part) edges[part++] = i + 1;
+  }
+  at::parallel_for(0, parts, 1, [&](int64_t first_part, int64_t last_part) {
+    std::vector<float> scores(kTileRows * groups * longest);
     std::vector<uint16_t> probs(groups * (longest + 2));
-    std::vector<float> qf(groups * dim);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t h = item / batch, b = item % batch;
-      const T* qb = qp + (b * heads + h * groups) * dim;
+    std::vector<float> qf(kTileRows * groups * dim), acc(kTileRows * groups * dim);
+    for (int64_t item = edges[first_part]; item < edges[last_part]; ++item) {
+      const int64_t h = item / num_tiles, first = tiles[item % num_tiles];
+      const int64_t tile = tiles[item % num_tiles + 1] - first;
       const T* keys = kp + h * num_slots * dim;
       const T* values = vp + h * num_slots * dim;
-      const int32_t* table = sp + st[b];
-      const int64_t n = st[b + 1] - st[b];
-      T* ob = op + (b * heads + h * groups) * dim;
+      const int32_t* tables[kTileRows];
+      T* outs[kTileRows];
+      for (int64_t i = 0; i < tile; ++i) {
+        tables[i] = sp + bp[first + i];
+        outs[i] = op + ((first + i) * heads + h * groups) * dim;
+      }
+      const auto query = [&](int64_t i) { return qp + ((first + i) * heads + h * groups) * dim; };
 #ifdef RS_X86
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
-        if (level >= 2 && dim == 64) {
-          attend_bf16<64>(qb, keys, values, table, n, groups, scale, scores.data(),
-                          probs.data(), ob);
-          continue;
-        }
-        if (level >= 2 && dim == 128) {
-          attend_bf16<128>(qb, keys, values, table, n, groups, scale, scores.data(),
-                           probs.data(), ob);
+        if (path >= 3 && (dim == 64 || dim == 128)) {
+          for (int64_t i = 0; i < tile; ++i) {
+            if (dim == 64)
+              attend_bf16<64>(query(i), keys, values, tables[i], lp[first + i], groups, scale,
+                              scores.data(), probs.data(), outs[i]);
+            else
+              attend_bf16<128>(query(i), keys, values, tables[i], lp[first + i], groups, scale,
+                               scores.data(), probs.data(), outs[i]);
+          }
           continue;
         }
       }
 #endif
-      for (int64_t i = 0; i < groups * dim; ++i) qf[i] = to_float(qb[i]);
+      for (int64_t i = 0; i < tile; ++i)
+        for (int64_t j = 0; j < groups * dim; ++j) qf[i * groups * dim + j] = to_float(query(i)[j]);
 #ifdef RS_X86
-      if (level >= 1 && dim == 64) {
-        attend_avx512<T, 64>(qf.data(), keys, values, table, n, groups, scale, scores.data(), ob);
-        continue;
-      }
-      if (level >= 1 && dim == 128) {
-        attend_avx512<T, 128>(qf.data(), keys, values, table, n, groups, scale, scores.data(),
-                              ob);
+      if (path == 1 && (dim == 64 || dim == 128)) {
+        (dim == 64 ? attend_tile_avx2<T, 64> : attend_tile_avx2<T, 128>)(
+            qf.data(), tile, lp + first, keys, values, tables, groups, scale, scores.data(),
+            longest, acc.data(), outs);
         continue;
       }
 #endif
-      attend_portable<T>(qf.data(), keys, values, table, n, groups, dim, scale, scores.data(),
-                         ob);
+      for (int64_t i = 0; i < tile; ++i) {
+        const float* qi = qf.data() + i * groups * dim;
+        const int64_t n = lp[first + i];
+#ifdef RS_X86
+        if (path >= 2 && dim == 64) {
+          attend_avx512<T, 64>(qi, keys, values, tables[i], n, groups, scale, scores.data(),
+                               outs[i]);
+          continue;
+        }
+        if (path >= 2 && dim == 128) {
+          attend_avx512<T, 128>(qi, keys, values, tables[i], n, groups, scale, scores.data(),
+                                outs[i]);
+          continue;
+        }
+#endif
+        attend_portable<T>(qi, keys, values, tables[i], n, groups, dim, scale, scores.data(),
+                           outs[i]);
+      }
     }
   });
 }
 
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
-                            const at::Tensor& v_cache, const at::Tensor& slots,
-                            const at::Tensor& starts, double scale, int64_t max_level) {
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                           const at::Tensor& v_cache, const at::Tensor& slots,
+                           const at::Tensor& begins, const at::Tensor& lengths, double scale,
+                           int64_t max_path) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(),
-              "q [batch, heads, dim] and caches [kv_heads, slots, dim]");
+              "q [rows, heads, dim] and caches [kv_heads, slots, dim]");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "q and caches must be contiguous");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() &&
@@ -344,38 +562,44 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
   TORCH_CHECK(q.size(2) == k_cache.size(2) && q.size(1) % k_cache.size(0) == 0,
               "head_dim must match and heads must be a multiple of kv_heads");
   TORCH_CHECK(slots.scalar_type() == at::kInt && slots.is_contiguous(), "slots: int32");
-  TORCH_CHECK(starts.scalar_type() == at::kLong && starts.is_contiguous() &&
-                  starts.numel() == q.size(0) + 1,
-              "starts: int64 [batch + 1]");
-  const int64_t* st = starts.data_ptr<int64_t>();
-  for (int64_t b = 0; b < q.size(0); ++b)
-    TORCH_CHECK(st[b] < st[b + 1] && st[b] >= 0, "every context needs at least one slot");
-  TORCH_CHECK(st[q.size(0)] <= slots.numel(), "starts run past slots");
-  // A bad slot would read outside the pool: check them all (microseconds per step).
+  TORCH_CHECK(begins.scalar_type() == at::kLong && begins.is_contiguous() &&
+                  lengths.scalar_type() == at::kLong && lengths.is_contiguous() &&
+                  begins.numel() == q.size(0) && lengths.numel() == q.size(0),
+              "begins and lengths: int64 [rows]");
+  const int64_t* bp = begins.data_ptr<int64_t>();
+  const int64_t* lp = lengths.data_ptr<int64_t>();
   const int32_t* sp = slots.data_ptr<int32_t>();
-  const int64_t used = st[q.size(0)], num_slots = k_cache.size(1);
-  for (int64_t i = 0; i < used; ++i)
+  for (int64_t r = 0; r < q.size(0); ++r) {
+    TORCH_CHECK(lp[r] >= 1 && bp[r] >= 0, "every row needs at least one slot");
+    TORCH_CHECK(bp[r] + lp[r] <= slots.numel(), "a row's context runs past slots");
+  }
+  // A bad slot would read outside the pool: check them all. Rows of a prefill chunk share one
+  // table, so this is once per slot, not once per row (microseconds per step).
+  const int64_t num_slots = k_cache.size(1);
+  for (int64_t i = 0; i < slots.numel(); ++i)
     TORCH_CHECK(sp[i] >= 0 && sp[i] < num_slots, "slot ", sp[i], " is outside the pool");
   at::Tensor out = at::empty_like(q);
-  const int level = static_cast<int>(std::min<int64_t>(max_level, cpu_level()));
+  const int path = static_cast<int>(std::min<int64_t>(max_path, best_path()));
   const float fscale = static_cast<float>(scale);
   if (q.scalar_type() == at::kFloat) {
-    run<float>(q, k_cache, v_cache, slots, starts, fscale, level, out);
+    run<float>(q, k_cache, v_cache, slots, begins, lengths, fscale, path, out);
   } else if (q.scalar_type() == at::kBFloat16) {
-    run<c10::BFloat16>(q, k_cache, v_cache, slots, starts, fscale, level, out);
+    run<c10::BFloat16>(q, k_cache, v_cache, slots, begins, lengths, fscale, path, out);
   } else {
-    TORCH_CHECK(false, "decode_attention supports float32 and bfloat16");
+    TORCH_CHECK(false, "paged_attention supports float32 and bfloat16");
   }
   return out;
 }
 
+int64_t attention_path() { return best_path(); }
 int64_t decode_attention_level() { return cpu_level(); }
 
 }  // namespace
 
 TORCH_LIBRARY(radixserve, m) {
-  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, "
-        "Tensor starts, float scale, int max_level) -> Tensor");
-  m.impl("decode_attention", c10::DispatchKey::CPU, TORCH_FN(decode_attention));
+  m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, "
+        "Tensor begins, Tensor lengths, float scale, int max_path) -> Tensor");
+  m.impl("paged_attention", c10::DispatchKey::CPU, TORCH_FN(paged_attention));
+  m.def("attention_path() -> int", &attention_path);
   m.def("decode_attention_level() -> int", &decode_attention_level);
 }

@@ -89,9 +89,11 @@ def _model_flags(model: argparse._ArgumentGroup) -> None:
                             "(kernel where it applies and compiles)")
     model.add_argument("--prefill-attention-backend", choices=PREFILL_ATTENTION_BACKENDS,
                        default="auto",
-                       help="prefill attention: blocked (blocked causal attention on bfloat16 "
-                            "matmuls; CPU, bfloat16/float16), sdpa (PyTorch's SDPA, any "
-                            "device), auto (blocked where it applies)")
+                       help="prefill attention: kernel (the decode kernel row by row, "
+                            "batch invariant: cache on == off exactly; CPU, float32/bfloat16), "
+                            "blocked (blocked causal attention on bfloat16 matmuls; CPU, "
+                            "bfloat16/float16), sdpa (PyTorch's SDPA, any device), auto (the "
+                            "first that applies)")
     model.add_argument("--matmul-backend", choices=MATMUL_BACKENDS, default="auto",
                        help="projections: kernel (C++ bfloat16 matmul for steps of at most 48 "
                             "tokens, CPUs with AVX512-BF16), widen (half-precision weights "

@@ -6,10 +6,14 @@ backend of each role:
 
 | backend | role | runs where | file |
 |---|---|---|---|
-| `kernel` | decode | CPU, float32/bfloat16, C++ compiler at hand | paged_decode.py |
+| `kernel` | decode | CPU, float32/bfloat16, C++ compiler at hand | paged_kernel.py |
 | `torch` | decode | anywhere (the CUDA path) | torch_decode.py |
+| `kernel` | prefill | as the decode kernel (the same kernel, row by row) | paged_kernel.py |
 | `blocked` | prefill | CPU, bfloat16/float16 | blocked_prefill.py |
 | `sdpa` | prefill | anywhere | sdpa_prefill.py |
+
+The kernel comes first in both roles: a row's arithmetic is then the same whether it is
+decoded or prefilled, in one chunk or several, which makes cache on == cache off exact.
 
 Adding a backend: write one file with a subclass of `base.AttentionBackend` (its `name`, its
 `role`, `unavailable(env)` saying where it cannot run, `plan(spans)` building its metadata
@@ -30,7 +34,7 @@ from radixserve.layers.attention.base import (
     StepPlan,
 )
 from radixserve.layers.attention.blocked_prefill import BlockedPrefill
-from radixserve.layers.attention.paged_decode import PagedDecodeKernel
+from radixserve.layers.attention.paged_kernel import PagedDecodeKernel, PagedPrefillKernel
 from radixserve.layers.attention.sdpa_prefill import SdpaPrefill
 from radixserve.layers.attention.torch_decode import TorchDecode
 
@@ -38,6 +42,7 @@ from radixserve.layers.attention.torch_decode import TorchDecode
 BACKENDS: list[type[AttentionBackend]] = [
     PagedDecodeKernel,
     TorchDecode,
+    PagedPrefillKernel,
     BlockedPrefill,
     SdpaPrefill,
 ]

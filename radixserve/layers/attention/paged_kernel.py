@@ -1,0 +1,104 @@
+"""Attention by our C++ kernel (radixserve/kernels/decode_attention.cpp), which reads keys and
+values where they lie in the paged pool: no gather, no padding, no mask. One backend per role,
+one kernel: decode rows and prefill rows run the same arithmetic, row by row.
+
+Why prefill through it too: a row's result then depends only on its query and its context's
+K/V, never on how the rows were batched, chunked or cached. A prompt position computed in a
+prefill chunk, in a later chunk, or as a decode step (the reply a later turn resends) gets
+the same bits, so the K/V it leaves in the pool, and every token after it, are the same with
+the prefix cache on or off. PyTorch's SDPA cannot promise that (its blocking follows the
+chunk), and with int8-quantized activations (the GGUF kernels) a last-bit difference can flip
+a rounding and grow. It is also faster than SDPA on CPUs without AVX-512 (BENCHMARKS.md).
+
+CPU only, float32 or bfloat16; the kernel picks its vector path (portable, AVX2, AVX-512,
+AVX512-BF16) from the CPU at run time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+import numpy as np
+import torch
+
+from radixserve.kernels import ATTENTION_PATHS, paged_attention_op
+from radixserve.layers.attention.base import AttentionBackend, AttentionEnv, LayerKV, SequenceSpan
+
+
+@dataclass(frozen=True)
+class PagedRows:
+    """Rows [first_row, first_row + rows) of the step; row r of them attends to
+    slots[begins[r] : begins[r] + lengths[r]], in position order (a sliding window applied)."""
+
+    first_row: int
+    rows: int
+    slots: torch.Tensor  # int32
+    begins: torch.Tensor  # int64 [rows]
+    lengths: torch.Tensor  # int64 [rows]
+
+
+class PagedKernel(AttentionBackend):
+    """Both roles' shared part: the kernel, its path cap, the plan."""
+
+    role: ClassVar[Literal["decode", "prefill"]]
+
+    def __init__(self, env: AttentionEnv) -> None:
+        super().__init__(env)
+        op = paged_attention_op()
+        if op is None:
+            raise ValueError("the attention kernel could not be built here")
+        self.op: Callable[..., torch.Tensor] = op
+        # Most vectorised path allowed (an index of ATTENTION_PATHS); the kernel also stops at
+        # what the CPU has. Tests lower it to check each path.
+        self.max_path = len(ATTENTION_PATHS) - 1
+
+    @classmethod
+    def unavailable(cls, env: AttentionEnv) -> str | None:
+        if env.device.type != "cpu" or env.dtype not in (torch.float32, torch.bfloat16):
+            return (f"a CPU device and float32 or bfloat16 (this engine runs "
+                    f"{str(env.dtype).removeprefix('torch.')} on {env.device})")
+        if paged_attention_op() is None:
+            return "a C++ compiler to build the kernel"
+        return None
+
+    def plan(self, spans: list[SequenceSpan]) -> PagedRows:
+        window = self.env.window
+        tables: list[np.ndarray] = []
+        begins: list[np.ndarray] = []
+        lengths: list[np.ndarray] = []
+        offset = 0
+        for span in spans:
+            assert span.start == spans[0].start + sum(len(b) for b in begins), "rows in order"
+            ends = np.arange(span.first + 1, span.context + 1, dtype=np.int64)
+            lows = np.maximum(ends - window, 0) if window else np.zeros_like(ends)
+            table = span.table.slot_array(span.context, int(lows[0]))
+            tables.append(table)
+            begins.append(offset + lows - lows[0])
+            lengths.append(ends - lows)
+            offset += len(table)
+        return PagedRows(
+            first_row=spans[0].start,
+            rows=sum(len(b) for b in begins),
+            slots=torch.from_numpy(np.concatenate(tables)),
+            begins=torch.from_numpy(np.concatenate(begins)),
+            lengths=torch.from_numpy(np.concatenate(lengths)),
+        )
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKV,
+                metadata: object, out: torch.Tensor) -> None:
+        assert isinstance(metadata, PagedRows)
+        rows = slice(metadata.first_row, metadata.first_row + metadata.rows)
+        out[rows] = self.op(q[rows].contiguous(), cache.k, cache.v, metadata.slots,
+                            metadata.begins, metadata.lengths, self.env.scale, self.max_path)
+
+
+class PagedDecodeKernel(PagedKernel):
+    name = "kernel"
+    role = "decode"
+
+
+class PagedPrefillKernel(PagedKernel):
+    name = "kernel"
+    role = "prefill"
