@@ -27,8 +27,10 @@ from radixserve.layers.linear import Linear
 # (dtype, matmul_backend, quantization)
 SETTINGS = [
     ("float32", "torch", "none"),
+    ("float32", "auto", "none"),  # skinny-float where bfloat16 dot products are missing
     ("float32", "torch", "auto"),
     ("bfloat16", "torch", "none"),
+    ("bfloat16", "auto", "none"),
     ("bfloat16", "widen", "none"),
     ("bfloat16", "kernel", "none"),
 ]
@@ -37,7 +39,8 @@ SETTINGS = [
 def weight_bytes(layer: Linear) -> int:
     if layer.packed is not None:
         return layer.packed.nbytes
-    return layer.weight.numel() * layer.weight.element_size()
+    held = layer.weight if layer.panels is None else layer.panels
+    return held.numel() * held.element_size()
 
 
 def measure(model_path: str | None, dtype: str, backend: str, quantization: str,

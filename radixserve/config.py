@@ -12,20 +12,23 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # paged pool in place (CPU, float32/bfloat16); torch, PyTorch ops over gathered K/V (any
 # device); auto, the kernel where it applies and builds.
 ATTENTION_BACKENDS = ("auto", "kernel", "torch")
-# Prefill attention: blocked, our blocked causal attention on bfloat16 matmuls (CPU,
-# bfloat16/float16); sdpa, PyTorch's scaled_dot_product_attention; auto, blocked where it applies.
-PREFILL_ATTENTION_BACKENDS = ("auto", "blocked", "sdpa")
+# Prefill attention: kernel, the decode kernel row by row (CPU, float32/bfloat16: a row's
+# result does not depend on chunking or batching, so cache on == off exactly); blocked, our
+# blocked causal attention on bfloat16 matmuls (CPU, bfloat16/float16); sdpa, PyTorch's
+# scaled_dot_product_attention; auto, the first of these that applies here.
+PREFILL_ATTENTION_BACKENDS = ("auto", "kernel", "blocked", "sdpa")
 # kernel: our C++ bfloat16 matmul for steps of at most 48 tokens (CPU with AVX512-BF16);
 # widen: half-precision weights computed in float32 from 16 rows up (CPUs without native
 # bfloat16, where half-precision matmuls are emulated); torch: nn.Linear (oneDNN on CPU);
 # auto: the first of these that applies here (see radixserve/layers/linear.py).
-MATMUL_BACKENDS = ("auto", "kernel", "widen", "torch")
+MATMUL_BACKENDS = ("auto", "kernel", "skinny-float", "widen", "torch")
 # auto: GGUF matrices in a format our kernel executes (radixserve/layers/quantized.py) stay in
 # the file's blocks and run as they are; none: every tensor is dequantized to the compute
 # dtype at load (the reference path); int8, int4: as auto, and float matrices (HF safetensors,
 # F32/F16/BF16 GGUF tensors) are quantized at load, int8 to Q8_0 and int4 to Q4_1 (see
-# radixserve/model/quantize.py). none stays the default until attention is batch invariant:
-# int8 activations turn its last-bit differences into token flips.
+# radixserve/model/quantize.py). none stays the default until the reference-path tests pin it:
+# with the attention kernel in both roles a row's bits no longer depend on batching, which
+# int8 activations need (they turn last-bit differences into different roundings).
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 
 

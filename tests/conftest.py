@@ -22,12 +22,24 @@ def model_path() -> Path:
 SMALL_ENGINE = dict(kv_cache_tokens=8192, show_progress=False, debug_invariants=True)
 
 
-def use_decode_backend(monkeypatch: pytest.MonkeyPatch, llm, name: str) -> None:
-    """Switches a live engine's decode attention to the backend called `name` for one test."""
+def use_torch_attention(monkeypatch: pytest.MonkeyPatch, llm) -> None:
+    """Switches a live engine's attention to the PyTorch backends (gathers with shared-prefix
+    groups for decode, SDPA for prefill) for one test."""
     import dataclasses
 
     from radixserve.layers.attention import choose_backend
 
     runner = llm.engine.runner
-    decode = choose_backend("decode", name, runner.attention.decode.env)
-    monkeypatch.setattr(runner, "attention", dataclasses.replace(runner.attention, decode=decode))
+    env = runner.attention.decode.env
+    monkeypatch.setattr(runner, "attention", dataclasses.replace(
+        runner.attention, decode=choose_backend("decode", "torch", env),
+        prefill=choose_backend("prefill", "sdpa", env)))
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags (/proc/cpuinfo), to say which kernel paths it runs."""
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    return set()

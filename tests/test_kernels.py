@@ -1,266 +1,43 @@
-"""The C++ kernels (radixserve/kernels): decode attention on every code path and the skinny
-bfloat16 matmul against float64 references, their input checks, the engine's outputs through
-them against the PyTorch paths, and how the library is built."""
+"""The C++ kernels' library (radixserve/kernels): what it reports about the CPU, how it is
+built, and the skinny bfloat16 matmul against float64 references and inside the engine.
+Attention is in test_paged_attention.py, the GGUF kernels in test_gguf_kernels.py."""
 
 from __future__ import annotations
 
-import itertools
 import os
-import random
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 import torch
 
 from radixserve import LLM, SamplingParams
-from radixserve.engine.request import Request
-from radixserve.kernels import SKINNY_MAX_ROWS, decode_attention_op, skinny_matmul_op
+from radixserve.kernels import SKINNY_MAX_ROWS, paged_attention_op, skinny_matmul_op
 from radixserve.kernels.cpu import has_fast_bf16
 from radixserve.layers.linear import (
     DenseLinear,
     Linear,
+    SkinnyFloatLinear,
     SkinnyLinear,
     WideningLinear,
     choose_linear_method,
 )
+from tests.conftest import cpu_flags
 
-OP = decode_attention_op()
 MATMUL = skinny_matmul_op()
 
 
-def _cpu_flags() -> set[str]:
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    return set()
-
-
-def _case(dtype, heads, kv_heads, dim, lengths, seed=0, num_slots=3000):
-    """Random pool, queries and slot tables; tables share a 40-slot run where long enough."""
-    gen = torch.Generator().manual_seed(seed)
-    k = torch.randn(kv_heads, num_slots, dim, generator=gen).to(dtype)
-    v = torch.randn(kv_heads, num_slots, dim, generator=gen).to(dtype)
-    q = torch.randn(len(lengths), heads, dim, generator=gen).to(dtype)
-    rng = random.Random(seed)
-    shared = list(range(100, 140))
-    tables = []
-    for n in lengths:
-        own = rng.sample(range(200, num_slots), n)
-        tables.append((shared + own)[:n] if n > 60 else own)
-    return q, k, v, tables
-
-
-def _reference(q, k, v, tables, scale):
-    """Float64 attention of each request over its table (GQA: q head i reads kv head i // G)."""
-    heads, kv_heads = q.shape[1], k.shape[0]
-    out = []
-    for b, table in enumerate(tables):
-        idx = torch.tensor(table)
-        keys = k[:, idx].double().repeat_interleave(heads // kv_heads, dim=0)
-        values = v[:, idx].double().repeat_interleave(heads // kv_heads, dim=0)
-        scores = torch.einsum("hd,htd->ht", q[b].double(), keys) * scale
-        out.append(torch.einsum("ht,htd->hd", torch.softmax(scores, -1), values))
-    return torch.stack(out)
-
-
-def _run(q, k, v, tables, scale, level):
-    slots = torch.tensor([s for t in tables for s in t], dtype=torch.int32)
-    starts = torch.tensor([0, *itertools.accumulate(len(t) for t in tables)])
-    return OP(q, k, v, slots, starts, scale, level)
-
-
-def test_kernel_builds_here_and_reports_the_cpu_level():
-    # The kernel is part of the engine on this project's machines: a build failure here is a
-    # real failure, not a reason to fall back silently.
-    assert OP is not None
-    flags = _cpu_flags()
+def test_library_builds_here_and_reports_the_cpu_level():
+    # The kernels are part of the engine on this project's machines: a build failure here is
+    # a real failure, not a reason to fall back silently.
+    assert paged_attention_op() is not None
+    flags = cpu_flags()
     expected = 0
     if {"avx512f", "avx512dq"} <= flags:
         expected = 2 if {"avx512bw", "avx512vl", "avx512_bf16"} <= flags else 1
     assert torch.ops.radixserve.decode_attention_level() == expected
     assert (MATMUL is not None) == (expected == 2)  # the matmul needs AVX512-BF16
 
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("level", [0, 1, 2])
-@pytest.mark.parametrize(("heads", "kv_heads", "dim"),
-                         [(9, 3, 64), (4, 4, 64), (7, 1, 64), (8, 2, 128), (6, 2, 128)])
-def test_every_path_matches_float64(dtype, level, heads, kv_heads, dim):
-    # Lengths cover one key, a partial 16-key block, exact blocks, an odd tail (V is read in
-    # pairs) and long contexts; head counts cover the bfloat16 path's blocks of query heads
-    # (4 at dim 64, 2 at dim 128) and their remainders.
-    lengths = [1, 15, 16, 17, 33, 64, 301]
-    q, k, v, tables = _case(dtype, heads, kv_heads, dim, lengths, seed=heads * dim + level)
-    scale = dim**-0.5
-    got = _run(q, k, v, tables, scale, level)
-    assert got.dtype == dtype and got.shape == q.shape
-    want = _reference(q, k, v, tables, scale)
-    # bfloat16: outputs are rounded to 8 bits of mantissa (and probabilities too on the BF16
-    # path); float32 only reorders sums.
-    tolerance = 2e-5 if dtype == torch.float32 else 2e-2
-    assert (got.double() - want).abs().max().item() < tolerance
-
-
-def test_paths_really_differ_and_ignore_slot_layout():
-    # The vector paths are not the portable one under another name (their float rounding
-    # differs), and moving a context's K/V to other slots changes nothing, bit for bit: what
-    # makes cache-on outputs equal cache-off ones.
-    top = torch.ops.radixserve.decode_attention_level()
-    if top >= 1:  # float32 shows the AVX-512 path's different order of sums
-        q, k, v, tables = _case(torch.float32, 9, 3, 64, [40, 300, 1000], seed=5)
-        assert not torch.equal(_run(q, k, v, tables, 0.125, 1), _run(q, k, v, tables, 0.125, 0))
-    q, k, v, tables = _case(torch.bfloat16, 9, 3, 64, [40, 300, 1000], seed=5)
-    runs = {level: _run(q, k, v, tables, 0.125, level) for level in (0, 1, 2)}
-    if top >= 2:  # bfloat16 probabilities on the BF16 path
-        assert not torch.equal(runs[2], runs[1])
-    # A pool twice as large: the first two contexts move to fresh slots in the new half.
-    moved_k, moved_v = torch.cat((k, torch.zeros_like(k)), 1), torch.cat((v, torch.zeros_like(v)), 1)
-    fresh = random.Random(1).sample(range(k.shape[1], 2 * k.shape[1]), 340)
-    moved_tables = [fresh[:40], fresh[40:]]
-    for table, new in zip(tables[:2], moved_tables, strict=True):
-        moved_k[:, new], moved_v[:, new] = k[:, table], v[:, table]
-    moved_tables.append(tables[2])  # the 1,000-slot context stays where it was
-    for level in (0, 1, 2):
-        assert torch.equal(_run(q, moved_k, moved_v, moved_tables, 0.125, level), runs[level])
-
-
-def test_bad_input_is_refused_not_read():
-    q, k, v, tables = _case(torch.float32, 4, 2, 64, [5, 6])
-    slots = torch.tensor([s for t in tables for s in t], dtype=torch.int32)
-    starts = torch.tensor([0, 5, 11])
-    with pytest.raises(RuntimeError, match="outside the pool"):
-        bad = slots.clone()
-        bad[3] = k.shape[1]
-        OP(q, k, v, bad, starts, 0.1, 2)
-    with pytest.raises(RuntimeError, match="outside the pool"):
-        bad = slots.clone()
-        bad[0] = -1
-        OP(q, k, v, bad, starts, 0.1, 2)
-    with pytest.raises(RuntimeError, match="at least one slot"):
-        OP(q, k, v, slots, torch.tensor([0, 0, 11]), 0.1, 2)
-    with pytest.raises(RuntimeError, match="past slots"):
-        OP(q, k, v, slots, torch.tensor([0, 5, 12]), 0.1, 2)
-    with pytest.raises(RuntimeError, match="starts"):
-        OP(q, k, v, slots, torch.tensor([0, 11]), 0.1, 2)
-    with pytest.raises(RuntimeError, match="int32"):
-        OP(q, k, v, slots.long(), starts, 0.1, 2)
-    with pytest.raises(RuntimeError, match="float32 and bfloat16"):
-        OP(q.half(), k.half(), v.half(), slots, starts, 0.1, 2)
-    with pytest.raises(RuntimeError, match="multiple of kv_heads"):
-        OP(q[:, :3].contiguous(), k, v, slots, starts, 0.1, 2)
-
-
-def test_request_slot_mirror_follows_every_change():
-    # The kernel reads a request's slots from an int32 mirror kept beside the list: appends,
-    # re-pointed slots (cache dedup) and replaced tables must all show in it.
-    from radixserve.sampling_params import SamplingParams as Params
-
-    request = Request("r", [1, 2, 3], Params(max_tokens=1))
-    request.slots = [5, 6, 7]
-    assert request.slot_array(3).tolist() == [5, 6, 7]
-    request.slots.extend(range(100, 200))
-    assert request.slot_array(103).tolist() == request.slots
-    request.repoint_slot(1, 42)
-    request.repoint_slot(102, 43)  # mirrored
-    request.slots.extend([300])
-    request.repoint_slot(103, 44)  # not yet mirrored
-    assert request.slot_array(104).tolist() == request.slots
-    assert request.slot_array(104, 100).tolist() == request.slots[100:]
-    request.slots = [9, 8]
-    assert request.slot_array(2).tolist() == [9, 8]
-    assert isinstance(request.slot_array(2), np.ndarray)
-
-
-# ----- the engine through the kernel -----
-
-GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def engines(model_path):
-    settings = dict(dtype="float32", kv_cache_tokens=6000, show_progress=False,
-                    prefix_cache="radix", debug_invariants=True)
-    kernel = LLM(str(model_path), attention_backend="kernel", **settings)
-    torch_path = LLM(str(model_path), attention_backend="torch", **settings)
-    return kernel, torch_path
-
-
-def _prompts(llm: LLM) -> list[dict]:
-    rng = random.Random(3)
-    system = [rng.randrange(200, 40000) for _ in range(300)]
-    prompts = [{"prompt_token_ids": system + [rng.randrange(200, 40000) for _ in range(3 + i)]}
-               for i in range(5)]  # five chats on one cached system prompt
-    prompts += [{"prompt_token_ids": llm.tokenizer.encode_chat(
-        [{"role": "user", "content": f"Question {i}: name a colour."}])} for i in range(3)]
-    return prompts
-
-
-def test_engine_kernel_equals_torch_path(engines):
-    kernel, torch_path = engines
-    decode = kernel.engine.runner.attention.decode
-    assert decode.name == "kernel"
-    assert torch_path.engine.runner.attention.decode.name == "torch"
-    prompts = _prompts(kernel)
-    calls = []
-    op = decode.op
-
-    def counted(*args):
-        calls.append(args[0].shape[0])
-        return op(*args)
-
-    decode.op = counted
-    try:
-        got = [r.outputs[0].token_ids for r in kernel.generate(prompts, GREEDY)]
-    finally:
-        decode.op = op
-    assert max(calls) == len(prompts)  # every decode of the full batch went through it
-    want = [r.outputs[0].token_ids for r in torch_path.generate(prompts, GREEDY)]
-    assert got == want
-    for llm in engines:
-        stats = llm.pool_stats()
-        assert stats.balanced and stats.private == 0 and stats.protected == 0, stats
-
-
-def test_engine_portable_kernel_path_agrees(engines):
-    # The portable C++ path (what a CPU without AVX-512 runs) gives the same greedy tokens.
-    kernel, _ = engines
-    prompts = _prompts(kernel)
-    decode = kernel.engine.runner.attention.decode
-    want = [r.outputs[0].token_ids for r in kernel.generate(prompts, GREEDY)]
-    decode.max_level = 0
-    try:
-        got = [r.outputs[0].token_ids for r in kernel.generate(prompts, GREEDY)]
-    finally:
-        decode.max_level = 2
-    assert got == want
-
-
-def test_kernel_backend_refuses_what_it_cannot_run(model_path):
-    with pytest.raises(ValueError, match="attention_backend='kernel' needs"):
-        LLM(str(model_path), dtype="float16", attention_backend="kernel", kv_cache_tokens=256,
-            show_progress=False)
-    with pytest.raises(ValueError, match="attention_backend must be one of"):
-        LLM(str(model_path), attention_backend="flash", show_progress=False)
-
-
-def test_backends_are_named_at_start_and_refused_where_they_cannot_run(model_path, caplog):
-    import logging
-
-    settings = dict(dtype="float32", kv_cache_tokens=256, show_progress=False)
-    with caplog.at_level(logging.INFO, logger="radixserve.engine.engine"):
-        LLM(str(model_path), attention_backend="torch", prefill_attention_backend="sdpa",
-            **settings)
-    assert "attention: decode torch, prefill sdpa; projections: torch" in caplog.text
-    with pytest.raises(ValueError, match="prefill_attention_backend='blocked' needs"):
-        LLM(str(model_path), prefill_attention_backend="blocked", **settings)
-    with pytest.raises(ValueError, match="prefill_attention_backend must be one of"):
-        LLM(str(model_path), prefill_attention_backend="flash", show_progress=False)
-
-
-# ----- building it -----
 
 # ----- the skinny matmul -----
 
@@ -349,8 +126,13 @@ def test_widening_method_runs_half_precision_in_float32_from_16_rows():
     assert (WideningLinear.unavailable(cpu, torch.bfloat16) is None) == emulated
     assert WideningLinear.unavailable(cpu, torch.float32) is not None
     picked = choose_linear_method("auto", cpu, torch.bfloat16).name
-    assert picked == ("widen" if emulated else "kernel" if MATMUL is not None else "torch")
-    assert choose_linear_method("auto", cpu, torch.float32).name == "torch"
+    # The float kernel comes before widening wherever it has a vector path (its own tests are
+    # in test_skinny_float.py).
+    float_kernel = SkinnyFloatLinear.unavailable(cpu, torch.bfloat16) is None
+    assert picked == ("kernel" if MATMUL is not None else "skinny-float" if float_kernel
+                      else "widen" if emulated else "torch")
+    assert choose_linear_method("auto", cpu, torch.float32).name == (
+        "skinny-float" if float_kernel else "torch")
     with pytest.raises(ValueError, match="matmul_backend='widen' needs a CPU and bfloat16"):
         choose_linear_method("widen", cpu, torch.float32)
     print(f"this CPU {'emulates' if emulated else 'has native'} bfloat16: auto picks {picked}")
@@ -397,8 +179,8 @@ def test_engine_decodes_through_the_skinny_matmul(model_path):
 
 
 _LOAD = ("import logging\nlogging.basicConfig(level=logging.INFO)\n"
-         "import torch\nfrom radixserve.kernels import decode_attention_op\n"
-         "op = decode_attention_op()\nprint('op:', op)\n"
+         "import torch\nfrom radixserve.kernels import paged_attention_op\n"
+         "op = paged_attention_op()\nprint('op:', op)\n"
          "print('level:', torch.ops.radixserve.decode_attention_level() if op else None)\n")
 
 
@@ -417,7 +199,7 @@ def test_concurrent_first_builds_both_load_and_publish_one_library(tmp_path):
     for process in [_python(_LOAD, tmp_path), _python(_LOAD, tmp_path)]:
         out, err = process.communicate(timeout=300)
         assert process.returncode == 0, err
-        assert "op: radixserve.decode_attention" in out, (out, err)
+        assert "op: radixserve.paged_attention" in out, (out, err)
         built += "building the C++ kernels" in err
     assert built == 1
     kernels = tmp_path / "kernels"
@@ -425,7 +207,7 @@ def test_concurrent_first_builds_both_load_and_publish_one_library(tmp_path):
     assert not list(kernels.glob("build-*"))
     third = _python(_LOAD, tmp_path)
     out, err = third.communicate(timeout=120)
-    assert third.returncode == 0 and "op: radixserve.decode_attention" in out, err
+    assert third.returncode == 0 and "op: radixserve.paged_attention" in out, err
     assert "building the C++ kernels" not in err  # loaded, not rebuilt
 
 

@@ -1,7 +1,8 @@
-"""C++ kernels for the CPU, compiled on first use with the machine's own compiler: decode
-attention over the paged pool (decode_attention.cpp), bfloat16 matmuls of a few rows
-(skinny_matmul.cpp) and matmuls with GGUF-quantized weights (gguf_pack.cpp, gguf_matmul*.cpp),
-in one library.
+"""C++ kernels for the CPU, compiled on first use with the machine's own compiler: attention
+over the paged pool for decode and prefill rows (decode_attention.cpp), bfloat16 matmuls of a
+few rows (skinny_matmul.cpp), float32 matmuls on 16-bit weights for CPUs without bfloat16
+dot products (skinny_float.cpp) and matmuls with GGUF-quantized weights (gguf_pack.cpp,
+gguf_matmul*.cpp), in one library.
 
 Each has a PyTorch fallback: when no compiler (or ninja) is at hand the loader returns None,
 logs why once, and the engine keeps its PyTorch paths. The build lands under the radixserve
@@ -29,18 +30,30 @@ log = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).with_name(name)
             for name in ("decode_attention.cpp", "skinny_matmul.cpp", "gguf_pack.cpp",
-                         "gguf_matmul.cpp", "gguf_matmul_avx2.cpp", "gguf_matmul_avx512.cpp")]
+                         "gguf_matmul.cpp", "gguf_matmul_avx2.cpp", "gguf_matmul_avx512.cpp",
+                         "skinny_float.cpp")]
 _HEADERS = [Path(__file__).with_name(name) for name in ("vector.h", "gguf_blocks.h")]
 
 
-def decode_attention_op() -> Callable[..., torch.Tensor] | None:
-    """`torch.ops.radixserve.decode_attention`, built if needed; None where it cannot be.
+ATTENTION_PATHS = ("portable", "avx2", "avx512", "avx512-bf16")  # paged_attention's max_path
 
-    Signature: (q [B, H, D], k_cache [Hkv, S, D], v_cache, slots int32 [N],
-    starts int64 [B + 1], scale, max_level) -> [B, H, D]; see decode_attention.cpp.
-    `torch.ops.radixserve.decode_attention_level()` says which vector path this CPU runs.
+
+def paged_attention_op() -> Callable[..., torch.Tensor] | None:
+    """`torch.ops.radixserve.paged_attention`, built if needed; None where it cannot be.
+
+    Signature: (q [R, H, D], k_cache [Hkv, S, D], v_cache, slots int32 [N], begins int64 [R],
+    lengths int64 [R], scale, max_path) -> [R, H, D]: row r attends to slots[begins[r] :
+    begins[r] + lengths[r]]; decode and prefill rows alike, a row's result bitwise the same
+    whatever else is in the call. See decode_attention.cpp; `attention_path()` says which
+    vector path (an index of ATTENTION_PATHS) this CPU runs.
     """
-    return torch.ops.radixserve.decode_attention if _library() else None
+    return torch.ops.radixserve.paged_attention if _library() else None
+
+
+def attention_path() -> int:
+    """The best vector path of paged_attention on this CPU (an index of ATTENTION_PATHS); 0
+    where the kernels cannot be built."""
+    return torch.ops.radixserve.attention_path() if _library() else 0
 
 
 def skinny_matmul_op() -> Callable[..., torch.Tensor] | None:
@@ -52,6 +65,51 @@ def skinny_matmul_op() -> Callable[..., torch.Tensor] | None:
     if not _library() or torch.ops.radixserve.decode_attention_level() < 2:
         return None
     return torch.ops.radixserve.skinny_matmul
+
+
+FLOAT_PATHS = ("portable", "avx2", "avx512")  # skinny_float_linear's paths, by max_path
+
+
+class SkinnyFloatOps:
+    """The float matmul of skinny_float.cpp: a weight packed once into panels of 16 output rows,
+    k-major, in bfloat16, float16 or float32, multiplied in float32 arithmetic by x of any
+    number of rows. Each output is one chain of FMAs over k, so a row's result is bitwise the
+    same whatever the batch, thread count or path; `max_path` caps the path (an index of
+    FLOAT_PATHS) so tests can run each one.
+    """
+
+    PANEL = 16  # output rows per panel
+
+    def path(self) -> int:
+        """The best path this CPU runs (an index of FLOAT_PATHS)."""
+        return torch.ops.radixserve.skinny_float_path()
+
+    def path_name(self, max_path: int | None = None) -> str:
+        """The path `linear` takes on this CPU when capped at `max_path`."""
+        best = self.path()
+        return FLOAT_PATHS[best if max_path is None else min(max_path, best)]
+
+    def pack(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Panels [ceil(N / 16), K, 16] in `dtype` of a weight [N, K]: panel p holds rows
+        16p..16p+15 k-major, rows past N are zero."""
+        rows, cols = weight.shape
+        count = -(-rows // self.PANEL)
+        padded = weight.to(dtype)
+        if rows % self.PANEL:
+            padded = torch.cat([padded, padded.new_zeros(count * self.PANEL - rows, cols)])
+        return padded.reshape(count, self.PANEL, cols).transpose(1, 2).contiguous()
+
+    def linear(self, x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None,
+               max_path: int) -> torch.Tensor:
+        """x [M, K] float32 contiguous @ W^T + bias (float32 [n] or None) -> float32 [M, n], W
+        the [n, K] weight `pack` made `panels` of."""
+        return torch.ops.radixserve.skinny_float_linear(x, panels, n, bias, max_path)
+
+
+@functools.cache
+def skinny_float_ops() -> SkinnyFloatOps | None:
+    """The float matmul kernel, built if needed; None where it cannot be."""
+    return SkinnyFloatOps() if _library() else None
 
 
 QUANT_PATHS = ("portable", "avx2", "avx512-vnni")  # the GGUF kernels' paths, by max_path

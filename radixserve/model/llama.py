@@ -19,7 +19,7 @@ from torch import nn
 from tqdm import tqdm
 
 from radixserve.layers.attention import LayerKV, StepAttention, StepPlan
-from radixserve.layers.linear import DenseLinear, Linear, LinearMethod
+from radixserve.layers.linear import DenseLinear, Linear, LinearMethod, PanelEmbedding
 from radixserve.layers.quantized import (
     EXECUTED_TYPES,
     PackedParts,
@@ -207,6 +207,11 @@ class LlamaModel(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.method.prepare(module)
+        if tied and isinstance(self.embed_tokens, nn.Embedding) and \
+                getattr(self.lm_head, "panels", None) is not None:
+            # The head was repacked into panels (skinny-float): read the table from them
+            # rather than hold it twice.
+            self.embed_tokens = PanelEmbedding(self.lm_head, dtype)
 
     def weight_formats(self) -> dict[str, int]:
         """Bytes of weights held, by format: GGUF panels by type (a table shared by the
