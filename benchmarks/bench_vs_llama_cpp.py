@@ -10,6 +10,21 @@ a round (neighbouring runs) and their median reported. Prints a markdown table, 
 
     .venv/bin/python benchmarks/bench_vs_llama_cpp.py --llama-cpp-bin LLAMA_CPP/build/bin \
         --model llama-1b-Q4_K_M.gguf --model llama-1b-Q8_0.gguf --rounds 2 --out results/vs_llama_cpp.json
+
+llama.cpp, built outside the repo from the sources vendored in the llama-cpp-python sdist
+(about 25 minutes on 2 cores; the OFF flags keep the build off the network):
+
+    .venv/bin/pip download --no-binary :all: --no-deps llama-cpp-python==0.3.36 -d DL
+    tar xzf DL/llama_cpp_python-0.3.36.tar.gz -C DL
+    cp -r DL/llama_cpp_python-0.3.36/vendor/llama.cpp LLAMA_CPP && cd LLAMA_CPP
+    cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+        -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF \
+        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+    cmake --build build -j2 --target llama-bench llama-server llama-quantize
+
+The 1B model: `benchmarks/make_llama_gguf.py --out llama-1b-f16.gguf`, then
+`llama-quantize llama-1b-f16.gguf llama-1b-Q4_K_M.gguf Q4_K_M 2` (and Q8_0 the same way).
+Run it on a quiet machine only: llama.cpp's timings collapse under any other load.
 """
 
 from __future__ import annotations
