@@ -68,9 +68,10 @@ class PagedKernel(AttentionBackend):
         tables: list[np.ndarray] = []
         begins: list[np.ndarray] = []
         lengths: list[np.ndarray] = []
-        offset = 0
+        offset = rows = 0
         for span in spans:
-            assert span.start == spans[0].start + sum(len(b) for b in begins), "rows in order"
+            assert span.start == spans[0].start + rows, "a role's rows are contiguous, in order"
+            rows += span.length
             ends = np.arange(span.first + 1, span.context + 1, dtype=np.int64)
             lows = np.maximum(ends - window, 0) if window else np.zeros_like(ends)
             table = span.table.slot_array(span.context, int(lows[0]))
@@ -80,7 +81,7 @@ class PagedKernel(AttentionBackend):
             offset += len(table)
         return PagedRows(
             first_row=spans[0].start,
-            rows=sum(len(b) for b in begins),
+            rows=rows,
             slots=torch.from_numpy(np.concatenate(tables)),
             begins=torch.from_numpy(np.concatenate(begins)),
             lengths=torch.from_numpy(np.concatenate(lengths)),
