@@ -26,9 +26,10 @@ MATMUL_BACKENDS = ("auto", "kernel", "skinny-float", "widen", "torch")
 # the file's blocks and run as they are; none: every tensor is dequantized to the compute
 # dtype at load (the reference path); int8, int4: as auto, and float matrices (HF safetensors,
 # F32/F16/BF16 GGUF tensors) are quantized at load, int8 to Q8_0 and int4 to Q4_1 (see
-# radixserve/model/quantize.py). none stays the default until the reference-path tests pin it:
-# with the attention kernel in both roles a row's bits no longer depend on batching, which
-# int8 activations need (they turn last-bit differences into different roundings).
+# radixserve/model/quantize.py). auto is the default: the attention kernel serves both roles,
+# so a row's bits do not depend on batching or chunking, which int8 activations need (they
+# turn last-bit differences into different roundings); where the kernels cannot run (CUDA,
+# float16, no compiler) auto dequantizes, as none does, and says so in the log.
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 
 
@@ -57,7 +58,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # decode attention; see ATTENTION_BACKENDS
     prefill_attention_backend: str = "auto"  # see PREFILL_ATTENTION_BACKENDS
     matmul_backend: str = "auto"  # projections of steps with few tokens; see MATMUL_BACKENDS
-    quantization: str = "none"  # see QUANTIZATIONS
+    quantization: str = "auto"  # see QUANTIZATIONS
     num_threads: int | None = None  # torch CPU threads; None keeps torch's default
     seed: int = 0  # seeds sampling for requests that carry no seed of their own
     show_progress: bool = True

@@ -142,7 +142,8 @@ def test_widening_method_runs_half_precision_in_float32_from_16_rows():
 def test_engine_decodes_through_the_skinny_matmul(model_path):
     # bfloat16 engine: a step of at most 48 tokens runs every projection and the LM head
     # through the kernel, and its logits stay as close to float32 as nn.Linear's.
-    settings = dict(kv_cache_tokens=2000, show_progress=False, prefix_cache="off")
+    settings = dict(kv_cache_tokens=2000, show_progress=False, prefix_cache="off",
+                    quantization="none")  # float matrices: the bf16 kernel's shapes
     fast = LLM(str(model_path), dtype="bfloat16", matmul_backend="kernel", **settings)
     plain = LLM(str(model_path), dtype="bfloat16", matmul_backend="torch", **settings)
     exact = LLM(str(model_path), dtype="float32", **settings)

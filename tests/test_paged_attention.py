@@ -211,7 +211,7 @@ GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def engines(model_path):
     settings = dict(dtype="float32", kv_cache_tokens=6000, show_progress=False,
-                    prefix_cache="radix", debug_invariants=True)
+                    prefix_cache="radix", debug_invariants=True, quantization="none")
     kernel = LLM(str(model_path), **settings)
     torch_path = LLM(str(model_path), attention_backend="torch",
                      prefill_attention_backend="sdpa", **settings)
@@ -284,7 +284,7 @@ def test_backends_are_named_at_start_and_refused_where_they_cannot_run(model_pat
     import logging
 
     settings = dict(dtype="float32", kv_cache_tokens=256, show_progress=False,
-                    matmul_backend="torch")
+                    matmul_backend="torch", quantization="none")
     with caplog.at_level(logging.INFO, logger="radixserve.engine.engine"):
         LLM(str(model_path), attention_backend="torch", prefill_attention_backend="sdpa",
             **settings)

@@ -27,7 +27,8 @@ def hf_model(model_path):
 
 @pytest.fixture(scope="module")
 def llm(model_path):
-    return LLM(str(model_path), dtype="float32", **SMALL_ENGINE)
+    # The reference path: every GGUF tensor dequantized, as transformers does.
+    return LLM(str(model_path), dtype="float32", quantization="none", **SMALL_ENGINE)
 
 
 def _prompts(llm: LLM) -> list[list[int]]:
@@ -98,7 +99,7 @@ def test_bfloat16_prefill_stays_close_to_float32(llm, model_path, monkeypatch):
 
     monkeypatch.setattr(backend, "attend", counted)
     whole = LLM(str(model_path), dtype="bfloat16", prefill_attention_backend=backend.name,
-                **SMALL_ENGINE)
+                quantization="none", **SMALL_ENGINE)
     assert type(whole.engine.runner.attention.prefill) is backend
     print(f"bfloat16 prefill runs {backend.name}, projections {whole.engine.model.linear_method.name}")
     for prompt in _prompts(llm):
@@ -109,7 +110,7 @@ def test_bfloat16_prefill_stays_close_to_float32(llm, model_path, monkeypatch):
     assert calls and max(calls) == 0
     del whole
     chunked = LLM(str(model_path), dtype="bfloat16", max_num_batched_tokens=96,
-                  prefill_attention_backend=backend.name, **SMALL_ENGINE)
+                  prefill_attention_backend=backend.name, quantization="none", **SMALL_ENGINE)
     prompt = _prompts(llm)[-1]  # 1,000 tokens: eleven chunks
     result = chunked.generate({"prompt_token_ids": prompt},
                               SamplingParams(max_tokens=1, temperature=0))[0]

@@ -242,7 +242,7 @@ def test_engine_holds_a_half_precision_file_at_two_bytes_per_parameter(dtype, tm
         "chat_template": tokenizer.chat_template, "eos_token": tokenizer.eos_token}))
     hf = hf.float().eval()
     llm = LLM(str(directory), dtype="float32", matmul_backend="auto", kv_cache_tokens=2048,
-              show_progress=False)
+              quantization="none", show_progress=False)
     model = llm.engine.model
     if model.linear_method.name != "skinny-float":
         pytest.skip(f"auto runs {model.linear_method.name} on this CPU")
@@ -267,7 +267,8 @@ def test_engine_holds_a_half_precision_file_at_two_bytes_per_parameter(dtype, tm
 def test_engine_default_model_agrees_with_onednn(model_path):
     # The default model (Q4_1 blocks dequantized to float32: values 16 bits would round, so
     # float32 panels) gives nn.Linear's greedy tokens and logits within float32 reordering.
-    settings = dict(dtype="float32", kv_cache_tokens=2048, show_progress=False)
+    settings = dict(dtype="float32", kv_cache_tokens=2048, show_progress=False,
+                    quantization="none")
     ours = LLM(str(model_path), matmul_backend="auto", **settings)
     if ours.engine.model.linear_method.name != "skinny-float":
         pytest.skip(f"auto runs {ours.engine.model.linear_method.name} on this CPU")

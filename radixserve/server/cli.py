@@ -102,8 +102,9 @@ def _model_flags(model: argparse._ArgumentGroup) -> None:
     model.add_argument("--quantization", choices=QUANTIZATIONS,
                        default=EngineConfig.quantization,
                        help="auto: GGUF matrices in Q8_0/Q4_0/Q4_1/Q4_K/Q6_K (and Q5_0, as Q8_0) stay quantized and run on "
-                            "our C++ kernel (CPU); none: dequantize every tensor at load "
-                            "(the reference path)")
+                            "our C++ kernel (CPU; the default); none: dequantize every tensor at load "
+                            "(the reference path); int8/int4: also quantize float weights at "
+                            "load (to Q8_0/Q4_1)")
     model.add_argument("--num-threads", type=int, default=None,
                        help="torch CPU threads; unset: torch's default")
     model.add_argument("--seed", type=int, default=0,
