@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from radixserve.config import EngineConfig
+from radixserve.kernels import layer_ops
 from radixserve.kernels.cpu import has_fast_bf16
 from radixserve.layers.attention import AttentionEnv, StepAttention, choose_attention
 from radixserve.layers.linear import choose_linear_method
@@ -71,8 +72,9 @@ def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype) -
     path = resolve_model_path(config.model)
     files = load_model_files(path, progress=config.show_progress, keep_quantized=keep,
                              quantize_to=quantize_to)
+    ops = layer_ops() if device.type == "cpu" else None  # None: PyTorch's norms and rotary
     with torch.device("meta"):
-        model = LlamaModel(files.config, linear)
+        model = LlamaModel(files.config, linear, ops)
     model.load_hf_weights(files.weights, dtype, progress=config.show_progress)
     model = model.to(device).eval()
     formats = model.weight_formats()

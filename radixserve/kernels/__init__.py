@@ -1,6 +1,6 @@
 """C++ kernels for the CPU, compiled on first use with the machine's own compiler: attention
-over the paged pool for decode and prefill rows (decode_attention.cpp), bfloat16 matmuls of a
-few rows (skinny_matmul.cpp), float32 matmuls on 16-bit weights for CPUs without bfloat16
+over the paged pool for decode and prefill rows (decode_attention.cpp), a decoder layer's
+small ops in one call each (layer_ops.cpp), bfloat16 matmuls of a few rows (skinny_matmul.cpp), float32 matmuls on 16-bit weights for CPUs without bfloat16
 dot products (skinny_float.cpp) and matmuls with GGUF-quantized weights (gguf_pack.cpp,
 gguf_matmul*.cpp), in one library.
 
@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 _SOURCES = [Path(__file__).with_name(name)
             for name in ("decode_attention.cpp", "skinny_matmul.cpp", "gguf_pack.cpp",
                          "gguf_matmul.cpp", "gguf_matmul_avx2.cpp", "gguf_matmul_avx512.cpp",
-                         "skinny_float.cpp")]
+                         "skinny_float.cpp", "layer_ops.cpp")]
 _HEADERS = [Path(__file__).with_name(name) for name in ("vector.h", "gguf_blocks.h")]
 
 
@@ -65,6 +65,28 @@ def skinny_matmul_op() -> Callable[..., torch.Tensor] | None:
     if not _library() or torch.ops.radixserve.decode_attention_level() < 2:
         return None
     return torch.ops.radixserve.skinny_matmul
+
+
+class LayerOps:
+    """A decoder layer's small ops (layer_ops.cpp), each one call instead of the half-dozen
+    PyTorch kernels it is made of: at decode their dispatch, not their arithmetic, is the cost.
+    CPU tensors, float32 or bfloat16 computed in float32."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """HF's LlamaRMSNorm of x [M, H] (contiguous) with weight [H] in x's dtype."""
+        return torch.ops.radixserve.rms_norm(x, weight, eps)
+
+    def rotary_embedding_(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                          heads: int) -> None:
+        """Rotates heads [0, heads) of qkv [T, all heads, D] (contiguous) in place, "rotate
+        half" style; cos and sin are float32 [T, D / 2]."""
+        torch.ops.radixserve.rotary_embedding_(qkv, cos, sin, heads)
+
+
+@functools.cache
+def layer_ops() -> LayerOps | None:
+    """The layer ops, built if needed; None where they cannot be."""
+    return LayerOps() if _library() else None
 
 
 FLOAT_PATHS = ("portable", "avx2", "avx512")  # skinny_float_linear's paths, by max_path

@@ -4,14 +4,15 @@ One call runs a variable-length batch: decode tokens of many requests and prefil
 others, flattened into one token axis (no padding of the projections or the MLP). The layers
 know nothing of scheduling, kernels or quantization: attention is the step's attention
 backend (`batch.attention`, planned once per step by the runner), projections are `Linear`
-layers whose method decides how they run.
+layers whose method decides how they run, and the norms and the rotary embedding use the
+fused `LayerOps` the engine passes in where it runs them (PyTorch's ops otherwise).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +28,11 @@ from radixserve.layers.quantized import (
     QuantizedWeight,
 )
 from radixserve.model.config import ModelConfig
+
+if TYPE_CHECKING:
+    from radixserve.kernels import LayerOps
+
+FUSED_DTYPES = (torch.float32, torch.bfloat16)  # what LayerOps computes
 
 
 @dataclass(frozen=True)
@@ -69,27 +75,40 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
+    def __init__(self, size: int, eps: float, ops: LayerOps | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32 as HF does, so bfloat16 runs stay close to the float32 ones.
-        # One fused kernel instead of six elementwise ones: at decode, the per-kernel overhead
-        # of small ops is a good part of the step.
+        if self.ops is not None and x.is_cpu and x.dtype in FUSED_DTYPES and x.dim() == 2:
+            return self.ops.rms_norm(x.contiguous(), self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+@dataclass(frozen=True)
+class Rotary:
+    """A step's rotary angles: cos and sin [T, D / 2] in float32."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, D] rotated "rotate half" style, in x's dtype (PyTorch's ops)."""
+        cos = torch.cat((self.cos, self.cos), dim=-1).unsqueeze(1).to(x.dtype)
+        sin = torch.cat((self.sin, self.sin), dim=-1).unsqueeze(1).to(x.dtype)
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, linear: LinearMethod) -> None:
+    def __init__(self, config: ModelConfig, linear: LinearMethod,
+                 ops: LayerOps | None = None) -> None:
         super().__init__()
+        self.ops = ops
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -100,14 +119,20 @@ class Attention(nn.Module):
                                linear)
         self.o_proj = Linear(q_size, config.hidden_size, False, linear)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                batch: ForwardBatch, cache: LayerKV) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotary: Rotary, batch: ForwardBatch,
+                cache: LayerKV) -> torch.Tensor:
         tokens = x.shape[0]
         qkv = self.qkv_proj(x).view(tokens, -1, self.head_dim)
-        # q and k heads rotate together: one set of elementwise kernels instead of two.
-        qk = _rotate(qkv[:, : self.num_heads + self.num_kv_heads], cos, sin)
+        rotated = self.num_heads + self.num_kv_heads
+        # q and k heads rotate together: one call (or one set of PyTorch ops) instead of two.
+        if self.ops is not None and qkv.is_cpu and qkv.dtype in FUSED_DTYPES:
+            qkv = qkv.contiguous()
+            self.ops.rotary_embedding_(qkv, rotary.cos, rotary.sin, rotated)
+            qk = qkv[:, :rotated]
+        else:
+            qk = rotary.rotate(qkv[:, :rotated])
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        v = qkv[:, self.num_heads + self.num_kv_heads :]
+        v = qkv[:, rotated:]
         out = batch.attention.forward(q, k, v, cache, batch.attention_plan)
         return self.o_proj(out.view(tokens, -1))
 
@@ -127,26 +152,29 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, linear: LinearMethod) -> None:
+    def __init__(self, config: ModelConfig, linear: LinearMethod,
+                 ops: LayerOps | None = None) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, linear)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.self_attn = Attention(config, linear, ops)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.mlp = MLP(config, linear)
 
 
 class LlamaModel(nn.Module):
     """Embedding, decoder layers, final norm and LM head; see `forward`. Every projection runs
-    through `linear` (see radixserve.layers.linear)."""
+    through `linear` (see radixserve.layers.linear); `ops`, where given, runs the norms and
+    the rotary embedding of CPU steps in float32 or bfloat16."""
 
-    def __init__(self, config: ModelConfig, linear: LinearMethod | None = None) -> None:
+    def __init__(self, config: ModelConfig, linear: LinearMethod | None = None,
+                 ops: LayerOps | None = None) -> None:
         super().__init__()
         self.config = config
         self.linear_method = linear = linear or DenseLinear()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, linear)
+        self.layers = nn.ModuleList(DecoderLayer(config, linear, ops)
                                     for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, False, linear)
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
 
@@ -155,11 +183,10 @@ class LlamaModel(nn.Module):
         """Runs the batch, writing its K/V into the caches; returns float32 logits [R, vocab]."""
         x = self.embed_tokens(batch.input_ids)
         angles = batch.positions.to(self.inv_freq.dtype).unsqueeze(-1) * self.inv_freq
-        angles = torch.cat((angles, angles), dim=-1).unsqueeze(1)  # [T, 1, D]
-        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        rotary = Rotary(angles.cos(), angles.sin())  # [T, D / 2] each
         residual = x
         for i, layer in enumerate(self.layers):
-            h = layer.self_attn(layer.input_layernorm(residual), cos, sin, batch, caches[i])
+            h = layer.self_attn(layer.input_layernorm(residual), rotary, batch, caches[i])
             residual = residual + h
             residual = residual + layer.mlp(layer.post_attention_layernorm(residual))
         last = self.norm(residual[batch.logit_rows])

@@ -1,0 +1,107 @@
+"""The fused layer ops (radixserve/kernels/layer_ops.cpp) against the PyTorch ops they
+replace, and the model's use of them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixserve.kernels import layer_ops
+from radixserve.model.llama import RMSNorm, Rotary
+
+ops = layer_ops()
+pytestmark = pytest.mark.skipif(ops is None, reason="the C++ kernels cannot be built here")
+
+
+def _reference_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    # HF's LlamaRMSNorm in float64, rounded as HF rounds: to x's dtype, then times the weight.
+    normed = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + eps)
+    return w * normed.to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,hidden", [(1, 576), (3, 2048), (17, 100), (300, 64)])
+def test_rms_norm_matches_hf(dtype, rows, hidden):
+    torch.manual_seed(rows * hidden)
+    x = (torch.randn(rows, hidden) * 3).to(dtype)
+    w = torch.randn(hidden).to(dtype)
+    got = ops.rms_norm(x, w, 1e-5)
+    want = _reference_norm(x, w, 1e-5)
+    assert got.dtype == dtype and got.shape == x.shape
+    if dtype == torch.float32:
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+    else:  # one bfloat16 step away at most, from the rounding of the normalised value
+        assert ((got.float() - want.float()).abs() <= want.float().abs() * 2 ** -7 + 1e-6).all()
+    # A row's result does not depend on the rows around it (a decode row vs a prefill step).
+    assert torch.equal(ops.rms_norm(x[-1:].contiguous(), w, 1e-5), got[-1:])
+
+
+def test_rms_norm_module_uses_the_op_and_agrees_with_pytorch():
+    torch.manual_seed(0)
+    fused, plain = RMSNorm(256, 1e-6, ops), RMSNorm(256, 1e-6)
+    with torch.no_grad():
+        fused.weight.copy_(torch.randn(256))
+        plain.weight.copy_(fused.weight)
+    x = torch.randn(5, 256)
+    assert torch.allclose(fused(x), plain(x), rtol=1e-5, atol=1e-6)
+    # A wrong epsilon or a missing weight would be caught:
+    assert not torch.allclose(ops.rms_norm(x, fused.weight.detach(), 1.0), plain(x), atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_matches_the_pytorch_rotation(dtype):
+    torch.manual_seed(1)
+    tokens, heads, kv_heads, head_dim = 7, 4, 2, 64
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, head_dim).to(dtype)
+    positions = torch.tensor([0, 1, 2, 40, 41, 500, 9000])
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    angles = positions.double().unsqueeze(-1) * inv_freq.float()
+    rotary = Rotary(angles.float().cos(), angles.float().sin())
+    want = rotary.rotate(qkv[:, : heads + kv_heads])
+    got = qkv.clone()
+    ops.rotary_embedding_(got, rotary.cos, rotary.sin, heads + kv_heads)
+    if dtype == torch.float32:  # the same products and sums as PyTorch's, in the same order
+        assert torch.equal(got[:, : heads + kv_heads], want)
+    else:  # cos and sin kept in float32 and one rounding instead of three
+        assert torch.allclose(got[:, : heads + kv_heads].float(), want.float(), atol=0.05)
+    assert torch.equal(got[:, heads + kv_heads :], qkv[:, heads + kv_heads :])  # v untouched
+    # Position 0 is the identity; a swapped sin sign would not be.
+    assert torch.equal(got[0], qkv[0])
+    wrong = qkv.clone()
+    ops.rotary_embedding_(wrong, rotary.cos, -rotary.sin, heads + kv_heads)
+    assert not torch.allclose(wrong[3:].float(), got[3:].float(), atol=1e-2)
+
+
+def test_ops_refuse_what_they_cannot_compute():
+    x = torch.randn(2, 64)
+    with pytest.raises(ValueError, match="weight"):
+        ops.rms_norm(x, torch.randn(32), 1e-5)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        ops.rms_norm(x.half(), torch.randn(64).half(), 1e-5)
+    qkv = torch.randn(3, 4, 64)
+    with pytest.raises(ValueError, match="cos and sin"):
+        ops.rotary_embedding_(qkv, torch.randn(3, 64), torch.randn(3, 64), 2)
+    with pytest.raises(ValueError, match="heads"):
+        ops.rotary_embedding_(qkv, torch.randn(3, 32), torch.randn(3, 32), 5)
+
+
+def test_fused_and_pytorch_model_paths_agree(model_path):
+    # The default model with and without the fused ops: the same greedy tokens, logits within
+    # float32 reordering (the norm's sum runs in another order).
+    from radixserve import LLM, SamplingParams
+
+    settings = dict(dtype="float32", kv_cache_tokens=1024, show_progress=False,
+                    quantization="none", prefix_cache="off")  # every step computed afresh
+    llm = LLM(str(model_path), **settings)
+    model = llm.engine.model
+    assert model.norm.ops is ops and model.layers[0].self_attn.ops is ops
+    ids = llm.tokenizer.encode("The capital of France is")
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    fused_logits = llm.engine.prompt_logits(ids)
+    fused_tokens = llm.generate({"prompt_token_ids": ids}, greedy)[0].outputs[0].token_ids
+    for module in model.modules():
+        if hasattr(module, "ops") and module.ops is ops:
+            module.ops = None
+    plain_logits = llm.engine.prompt_logits(ids)
+    assert (fused_logits - plain_logits).abs().max() < 1e-3
+    assert llm.generate({"prompt_token_ids": ids}, greedy)[0].outputs[0].token_ids == fused_tokens
