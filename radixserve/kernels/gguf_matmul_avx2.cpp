@@ -206,6 +206,75 @@ RS_AVX2 inline void q4k_sums(const uint8_t* block, int h, const int8_t* const* q
   }
 }
 
+// Per-lane int16 pairs of one byte per panel row (16 rows at p): the row's byte in both
+// halves of its int32 lane, rows 8h..8h+7 in out[h]; vpmaddwd with it weighs a lane's two
+// int16 pair sums by that row's scale. One load serves both halves.
+RS_AVX2 inline void duplicated_rows_u8(const uint8_t* p, __m256i* out) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  out[0] = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(v, v));
+  out[1] = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(v, v));
+}
+
+// int16 pairs (a[row], b[row]) per lane of two rows of 16 bytes, rows 8h.. in out[h].
+RS_AVX2 inline void paired_rows_u8(const uint8_t* a, const uint8_t* b, __m256i* out) {
+  const __m128i va = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a));
+  const __m128i vb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
+  out[0] = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(va, vb));
+  out[1] = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(va, vb));
+}
+
+// Q4_K for a few activation rows: I (total) and Imin (mins) of one superblock for all 16
+// rows of the panel at once, total[r][h] holding rows 8h..8h+7. Both halves of a unit share
+// each activation broadcast and each scale load; the integers are those of q4k_sums.
+template <int R>
+RS_AVX2 inline void q4k_sums_both(const uint8_t* block, const int8_t* const* q,
+                                  const int16_t* const* sums32, __m256i (*total)[2],
+                                  __m256i (*mins)[2]) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const uint8_t* units = block + kQ4_K.units_at;
+  for (int r = 0; r < R; ++r) total[r][0] = total[r][1] = _mm256_setzero_si256();
+  for (int c = 0; c < 4; ++c) {
+    __m256i lo_pairs[R][2], hi_pairs[R][2];
+    for (int t = 0; t < 8; ++t) {
+      const uint8_t* unit = units + (8 * c + t) * kUnit;
+      const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit));
+      const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit + 32));
+      const __m256i lo0 = _mm256_and_si256(v0, low), lo1 = _mm256_and_si256(v1, low);
+      const __m256i hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low);
+      const __m256i hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low);
+      for (int r = 0; r < R; ++r) {
+        // At most 8 * 15 * 127 * 2 = 30480 per int16: no overflow.
+        const __m256i xl = broadcast4(q[r] + 64 * c + 4 * t);
+        const __m256i xh = broadcast4(q[r] + 64 * c + 32 + 4 * t);
+        const __m256i l0 = _mm256_maddubs_epi16(lo0, xl), l1 = _mm256_maddubs_epi16(lo1, xl);
+        const __m256i h0 = _mm256_maddubs_epi16(hi0, xh), h1 = _mm256_maddubs_epi16(hi1, xh);
+        lo_pairs[r][0] = t == 0 ? l0 : chained(_mm256_add_epi16(lo_pairs[r][0], l0));
+        lo_pairs[r][1] = t == 0 ? l1 : chained(_mm256_add_epi16(lo_pairs[r][1], l1));
+        hi_pairs[r][0] = t == 0 ? h0 : chained(_mm256_add_epi16(hi_pairs[r][0], h0));
+        hi_pairs[r][1] = t == 0 ? h1 : chained(_mm256_add_epi16(hi_pairs[r][1], h1));
+      }
+    }
+    __m256i sc_lo[2], sc_hi[2];
+    duplicated_rows_u8(block + kQ4kScales + 16 * (2 * c), sc_lo);
+    duplicated_rows_u8(block + kQ4kScales + 16 * (2 * c + 1), sc_hi);
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < 2; ++h)
+        total[r][h] = _mm256_add_epi32(
+            total[r][h], _mm256_add_epi32(_mm256_madd_epi16(lo_pairs[r][h], sc_lo[h]),
+                                          _mm256_madd_epi16(hi_pairs[r][h], sc_hi[h])));
+  }
+  for (int r = 0; r < R; ++r) mins[r][0] = mins[r][1] = _mm256_setzero_si256();
+  for (int p = 0; p < 4; ++p) {
+    __m256i m[2];
+    paired_rows_u8(block + kQ4kMins + 16 * (2 * p), block + kQ4kMins + 16 * (2 * p + 1), m);
+    for (int r = 0; r < R; ++r) {
+      const __m256i s = broadcast_pair(sums32[r] + 2 * p);
+      mins[r][0] = _mm256_add_epi32(mins[r][0], _mm256_madd_epi16(m[0], s));
+      mins[r][1] = _mm256_add_epi32(mins[r][1], _mm256_madd_epi16(m[1], s));
+    }
+  }
+}
+
 // Q6_K: I of one superblock for rows 8h..8h+7 of the panel.
 template <int R>
 RS_AVX2 inline void q6k_sums(const uint8_t* block, int h, const int8_t* const* q,
@@ -249,6 +318,89 @@ RS_AVX2 inline void q6k_sums(const uint8_t* block, int h, const int8_t* const* q
   }
 }
 
+// Up to this many activation rows, Q4_K takes both halves of the panel in one pass (12%
+// faster at one row, measured); at two rows its accumulators no longer fit in registers,
+// and wider tiles take one half at a time.
+constexpr int kBothHalvesRows = 1;
+// Superblocks ahead to prefetch (4.7 KB for Q4_K; 4 or 8 measured no faster).
+constexpr int64_t kAheadK = 2;
+
+// Signed bytes: (v, v) per lane, rows 8h.. in out[h].
+RS_AVX2 inline void duplicated_rows_i8(const uint8_t* p, __m256i* out) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  out[0] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(v, v));
+  out[1] = _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(v, v));
+}
+
+// Signed bytes: (a[row], b[row]) per lane, rows 8h.. in out[h].
+RS_AVX2 inline void paired_rows_i8(const uint8_t* a, const uint8_t* b, __m256i* out) {
+  const __m128i va = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a));
+  const __m128i vb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
+  out[0] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(va, vb));
+  out[1] = _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(va, vb));
+}
+
+// The 6-bit values u (0..63) of quad i (weights 128 half + 32 i + 4 v..) for rows 8h..8h+7:
+// the low nibble from ql unit A (i = 0, 2) or B (i = 1, 3), low or high, and bits 2i, 2i+1
+// of the qh unit moved to bits 4-5.
+template <int I>
+RS_AVX2 inline __m256i q6k_values(const uint8_t* units, int half, int v, int h) {
+  const __m256i low = _mm256_set1_epi8(0x0F), bits45 = _mm256_set1_epi8(0x30);
+  const __m256i ql = _mm256_loadu_si256(
+      reinterpret_cast<const __m256i*>(units + (16 * half + 8 * (I & 1) + v) * kUnit + 32 * h));
+  const __m256i qh = _mm256_loadu_si256(
+      reinterpret_cast<const __m256i*>(units + (32 + 8 * half + v) * kUnit + 32 * h));
+  const __m256i nibble = _mm256_and_si256(I < 2 ? ql : _mm256_srli_epi16(ql, 4), low);
+  __m256i high;
+  if constexpr (I == 0) high = _mm256_slli_epi16(qh, 4);
+  if constexpr (I == 1) high = _mm256_slli_epi16(qh, 2);
+  if constexpr (I == 2) high = qh;
+  if constexpr (I == 3) high = _mm256_srli_epi16(qh, 2);
+  return _mm256_or_si256(nibble, _mm256_and_si256(high, bits45));
+}
+
+// Q6_K for one activation row: I of one superblock for all 16 rows of the panel, total[h]
+// holding rows 8h..8h+7; the integers are those of q6k_sums. Quad i of values v and v + 1
+// share a group scale, and two pair sums of 6-bit values (each at most 2 * 63 * 127) still
+// fit in int16, so they are added before the one vpmaddwd that weighs them by the scale.
+template <int I>
+RS_AVX2 inline void q6k_quad(const uint8_t* block, int half, int vq, const int8_t* q,
+                             __m256i* total) {
+  const uint8_t* units = block + kQ6_K.units_at;
+  __m256i sc[2];
+  duplicated_rows_i8(block + kQ6kScales + 16 * (8 * half + 2 * I + vq), sc);
+  for (int pair = 0; pair < 2; ++pair) {
+    const int v = 4 * vq + 2 * pair;
+    const __m256i x0 = broadcast4(q + 128 * half + 32 * I + 4 * v);
+    const __m256i x1 = broadcast4(q + 128 * half + 32 * I + 4 * v + 4);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i sum = _mm256_add_epi16(
+          _mm256_maddubs_epi16(q6k_values<I>(units, half, v, h), x0),
+          _mm256_maddubs_epi16(q6k_values<I>(units, half, v + 1, h), x1));
+      total[h] = _mm256_add_epi32(total[h], _mm256_madd_epi16(sum, sc[h]));
+    }
+  }
+}
+
+RS_AVX2 inline void q6k_sums_one(const uint8_t* block, const int8_t* q, const int16_t* sums16,
+                                 __m256i* total) {
+  total[0] = total[1] = _mm256_setzero_si256();
+  for (int half = 0; half < 2; ++half)
+    for (int vq = 0; vq < 2; ++vq) {
+      q6k_quad<0>(block, half, vq, q, total);
+      q6k_quad<1>(block, half, vq, q, total);
+      q6k_quad<2>(block, half, vq, q, total);
+      q6k_quad<3>(block, half, vq, q, total);
+    }
+  for (int p = 0; p < 8; ++p) {  // - 32 * sum_g sc_g * sums16_g
+    __m256i sc[2];
+    paired_rows_i8(block + kQ6kScales + 16 * (2 * p), block + kQ6kScales + 16 * (2 * p + 1), sc);
+    const __m256i s = broadcast_pair(sums16 + 2 * p);
+    for (int h = 0; h < 2; ++h)
+      total[h] = _mm256_sub_epi32(total[h], _mm256_slli_epi32(_mm256_madd_epi16(sc[h], s), 5));
+  }
+}
+
 // K-quant superblocks for activation rows [r0, r0 + R) against one panel.
 template <Kind K, int R>
 RS_AVX2 void tile_k(const uint8_t* panel, const QuantizedRows& a, int64_t r0, float* acc) {
@@ -265,13 +417,25 @@ RS_AVX2 void tile_k(const uint8_t* panel, const QuantizedRows& a, int64_t r0, fl
   for (int64_t b = 0; b < a.blocks; ++b) {
     const uint8_t* block = panel + b * stride;
     for (int64_t line = 0; line < stride; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(block + 2 * stride + line), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(block + kAheadK * stride + line), _MM_HINT_T0);
+    __m256i both_total[R][2], both_mins[R][2];
+    if constexpr (K == Kind::q4k && R <= kBothHalvesRows)
+      q4k_sums_both<R>(block, q, sums, both_total, both_mins);
+    if constexpr (K == Kind::q6k && R == 1) q6k_sums_one(block, q[0], sums[0], both_total[0]);
     for (int h = 0; h < 2; ++h) {
       __m256i total[R], mins[R];
-      if constexpr (K == Kind::q4k)
+      if constexpr (K == Kind::q6k && R == 1) {
+        total[0] = both_total[0][h];
+      } else if constexpr (K == Kind::q4k && R <= kBothHalvesRows) {
+        for (int r = 0; r < R; ++r) {
+          total[r] = both_total[r][h];
+          mins[r] = both_mins[r][h];
+        }
+      } else if constexpr (K == Kind::q4k) {
         q4k_sums<R>(block, h, q, sums, total, mins);
-      else
+      } else {
         q6k_sums<R>(block, h, q, sums, total);
+      }
       const __m256 d =
           _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 16 * h)));
       for (int r = 0; r < R; ++r) {
