@@ -206,21 +206,16 @@ RS_AVX2 inline void q4k_sums(const uint8_t* block, int h, const int8_t* const* q
   }
 }
 
-// Per-lane int16 pairs of one byte per panel row (16 rows at p): the row's byte in both
-// halves of its int32 lane, rows 8h..8h+7 in out[h]; vpmaddwd with it weighs a lane's two
-// int16 pair sums by that row's scale. One load serves both halves.
-RS_AVX2 inline void duplicated_rows_u8(const uint8_t* p, __m256i* out) {
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  out[0] = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(v, v));
-  out[1] = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(v, v));
-}
-
-// int16 pairs (a[row], b[row]) per lane of two rows of 16 bytes, rows 8h.. in out[h].
-RS_AVX2 inline void paired_rows_u8(const uint8_t* a, const uint8_t* b, __m256i* out) {
+// int16 pairs (a[row], b[row]) per int32 lane from two rows of 16 bytes (one byte per panel
+// row), rows 8h..8h+7 in out[h], the bytes unsigned or signed. With a == b a lane holds its
+// row's byte twice, so vpmaddwd weighs both of the lane's int16 pair sums by that row's scale.
+template <bool Signed>
+RS_AVX2 inline void row_pairs(const uint8_t* a, const uint8_t* b, __m256i* out) {
   const __m128i va = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a));
   const __m128i vb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
-  out[0] = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(va, vb));
-  out[1] = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(va, vb));
+  const __m128i lo = _mm_unpacklo_epi8(va, vb), hi = _mm_unpackhi_epi8(va, vb);
+  out[0] = Signed ? _mm256_cvtepi8_epi16(lo) : _mm256_cvtepu8_epi16(lo);
+  out[1] = Signed ? _mm256_cvtepi8_epi16(hi) : _mm256_cvtepu8_epi16(hi);
 }
 
 // Q4_K for a few activation rows: I (total) and Imin (mins) of one superblock for all 16
@@ -255,8 +250,9 @@ RS_AVX2 inline void q4k_sums_both(const uint8_t* block, const int8_t* const* q,
       }
     }
     __m256i sc_lo[2], sc_hi[2];
-    duplicated_rows_u8(block + kQ4kScales + 16 * (2 * c), sc_lo);
-    duplicated_rows_u8(block + kQ4kScales + 16 * (2 * c + 1), sc_hi);
+    const uint8_t* sc = block + kQ4kScales + 16 * (2 * c);
+    row_pairs<false>(sc, sc, sc_lo);
+    row_pairs<false>(sc + 16, sc + 16, sc_hi);
     for (int r = 0; r < R; ++r)
       for (int h = 0; h < 2; ++h)
         total[r][h] = _mm256_add_epi32(
@@ -266,7 +262,7 @@ RS_AVX2 inline void q4k_sums_both(const uint8_t* block, const int8_t* const* q,
   for (int r = 0; r < R; ++r) mins[r][0] = mins[r][1] = _mm256_setzero_si256();
   for (int p = 0; p < 4; ++p) {
     __m256i m[2];
-    paired_rows_u8(block + kQ4kMins + 16 * (2 * p), block + kQ4kMins + 16 * (2 * p + 1), m);
+    row_pairs<false>(block + kQ4kMins + 16 * (2 * p), block + kQ4kMins + 16 * (2 * p + 1), m);
     for (int r = 0; r < R; ++r) {
       const __m256i s = broadcast_pair(sums32[r] + 2 * p);
       mins[r][0] = _mm256_add_epi32(mins[r][0], _mm256_madd_epi16(m[0], s));
@@ -325,21 +321,6 @@ constexpr int kBothHalvesRows = 1;
 // Superblocks ahead to prefetch (4.7 KB for Q4_K; 4 or 8 measured no faster).
 constexpr int64_t kAheadK = 2;
 
-// Signed bytes: (v, v) per lane, rows 8h.. in out[h].
-RS_AVX2 inline void duplicated_rows_i8(const uint8_t* p, __m256i* out) {
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  out[0] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(v, v));
-  out[1] = _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(v, v));
-}
-
-// Signed bytes: (a[row], b[row]) per lane, rows 8h.. in out[h].
-RS_AVX2 inline void paired_rows_i8(const uint8_t* a, const uint8_t* b, __m256i* out) {
-  const __m128i va = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a));
-  const __m128i vb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
-  out[0] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(va, vb));
-  out[1] = _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(va, vb));
-}
-
 // The 6-bit values u (0..63) of quad i (weights 128 half + 32 i + 4 v..) for rows 8h..8h+7:
 // the low nibble from ql unit A (i = 0, 2) or B (i = 1, 3), low or high, and bits 2i, 2i+1
 // of the qh unit moved to bits 4-5.
@@ -368,7 +349,8 @@ RS_AVX2 inline void q6k_quad(const uint8_t* block, int half, int vq, const int8_
                              __m256i* total) {
   const uint8_t* units = block + kQ6_K.units_at;
   __m256i sc[2];
-  duplicated_rows_i8(block + kQ6kScales + 16 * (8 * half + 2 * I + vq), sc);
+  const uint8_t* scale = block + kQ6kScales + 16 * (8 * half + 2 * I + vq);
+  row_pairs<true>(scale, scale, sc);
   for (int pair = 0; pair < 2; ++pair) {
     const int v = 4 * vq + 2 * pair;
     const __m256i x0 = broadcast4(q + 128 * half + 32 * I + 4 * v);
@@ -394,7 +376,7 @@ RS_AVX2 inline void q6k_sums_one(const uint8_t* block, const int8_t* q, const in
     }
   for (int p = 0; p < 8; ++p) {  // - 32 * sum_g sc_g * sums16_g
     __m256i sc[2];
-    paired_rows_i8(block + kQ6kScales + 16 * (2 * p), block + kQ6kScales + 16 * (2 * p + 1), sc);
+    row_pairs<true>(block + kQ6kScales + 16 * (2 * p), block + kQ6kScales + 16 * (2 * p + 1), sc);
     const __m256i s = broadcast_pair(sums16 + 2 * p);
     for (int h = 0; h < 2; ++h)
       total[h] = _mm256_sub_epi32(total[h], _mm256_slli_epi32(_mm256_madd_epi16(sc[h], s), 5));
