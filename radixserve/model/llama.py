@@ -11,7 +11,7 @@ fused `LayerOps` the engine passes in where it runs them (PyTorch's ops otherwis
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -94,11 +94,16 @@ class Rotary:
 
     cos: torch.Tensor
     sin: torch.Tensor
+    # PyTorch's rotation wants them [T, 1, D] in the model's dtype: made once per step.
+    widened: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict, compare=False, repr=False)
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, heads, D] rotated "rotate half" style, in x's dtype (PyTorch's ops)."""
-        cos = torch.cat((self.cos, self.cos), dim=-1).unsqueeze(1).to(x.dtype)
-        sin = torch.cat((self.sin, self.sin), dim=-1).unsqueeze(1).to(x.dtype)
+        if x.dtype not in self.widened:
+            self.widened[x.dtype] = tuple(  # type: ignore[assignment]
+                torch.cat((t, t), dim=-1).unsqueeze(1).to(x.dtype) for t in (self.cos, self.sin))
+        cos, sin = self.widened[x.dtype]
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
