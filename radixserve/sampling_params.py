@@ -6,7 +6,9 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class SamplingParamError(ValueError):
@@ -17,6 +19,48 @@ class SamplingParamError(ValueError):
         super().__init__(f"{field} {problem}")
         self.field = field
         self.problem = problem
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on the output's text, enforced token by token (vLLM's names): exactly one of
+    a JSON schema (`json`, a dict or its JSON text), any JSON object (`json_object`), a regular
+    expression, one of a list of strings (`choice`), or a grammar (GBNF as llama.cpp writes it,
+    or Lark)."""
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+        kinds = [self.json is not None, self.json_object, self.regex is not None,
+                 self.choice is not None, self.grammar is not None]
+        if sum(kinds) != 1:
+            raise SamplingParamError(
+                "structured_outputs", "must set exactly one of json, json_object, regex, choice "
+                f"and grammar, got {sum(kinds)}")
+        if self.choice is not None and not (self.choice and all(
+                isinstance(c, str) and c for c in self.choice)):
+            raise SamplingParamError("structured_outputs", "choice must be non-empty strings")
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, source text): what a compiled grammar is cached by."""
+        if self.json is not None:
+            text = self.json if isinstance(self.json, str) else json.dumps(self.json,
+                                                                           sort_keys=True)
+            return "json", text
+        if self.json_object:
+            return "json_object", ""
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.choice is not None:
+            return "choice", json.dumps(list(self.choice))
+        return "grammar", self.grammar or ""
 
 
 @dataclass
@@ -38,6 +82,17 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top log-probabilities to return per token
     min_tokens: int = 0
+    # Log-probabilities of the prompt's tokens, with this many top alternatives each (vLLM's
+    # name); None: none. A request that asks computes its whole prompt (see the scheduler).
+    prompt_logprobs: int | None = None
+    # Added to a token's logit before sampling (OpenAI's logit_bias: token id -> [-100, 100]).
+    logit_bias: dict[int, float] | None = None
+    # OpenAI's penalties on tokens already in the output, and vLLM's repetition_penalty on
+    # tokens in the prompt or the output (1: off).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -68,6 +123,19 @@ class SamplingParams:
              f"must be token ids in [0, {vocab_size})"),
             ("min_tokens", 0 <= self.min_tokens <= max(self.max_tokens, 0),
              f"must be in [0, max_tokens ({self.max_tokens})], got {self.min_tokens}"),
+            ("prompt_logprobs", self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+             f"must be in [0, 20], got {self.prompt_logprobs}"),
+            ("logit_bias", self.logit_bias is None or all(
+                isinstance(t, int) and -100 <= b <= 100 and (vocab_size is None or 0 <= t < vocab_size)
+                for t, b in self.logit_bias.items()),
+             "must map token ids" + (f" in [0, {vocab_size})" if vocab_size else "")
+             + " to values in [-100, 100]"),
+            ("presence_penalty", -2 <= self.presence_penalty <= 2,
+             f"must be in [-2, 2], got {self.presence_penalty}"),
+            ("frequency_penalty", -2 <= self.frequency_penalty <= 2,
+             f"must be in [-2, 2], got {self.frequency_penalty}"),
+            ("repetition_penalty", 0 < self.repetition_penalty <= 2,
+             f"must be in (0, 2], got {self.repetition_penalty}"),
         ]
         for name, ok, problem in checks:
             if not ok:

@@ -29,6 +29,7 @@ from radixserve.engine.setup import (
     resolve_device,
     resolve_dtype,
 )
+from radixserve.engine.structured_output import GrammarCompiler
 from radixserve.kernels.cpu import describe as describe_cpu
 from radixserve.outputs import RequestOutput
 from radixserve.sampling_params import SamplingParams
@@ -77,6 +78,7 @@ class LLMEngine:
         generator = torch.Generator().manual_seed(config.seed)
         self.runner = ModelRunner(self.model, self.pool, attention, self.device, generator)
         self.detokenizer = Detokenizer(self.tokenizer, self.max_model_len)
+        self.grammars = GrammarCompiler(self.tokenizer)
         self.postprocessor = Postprocessor(self.scheduler, self.detokenizer, clock)
         self.groups: dict[str, list[Request]] = {}
         # Cumulative seconds: scheduling and bookkeeping vs the model with sampling.
@@ -119,6 +121,9 @@ class LLMEngine:
                     arrival_time=self.clock(), pins=list(pins or []), group_id=request_id)
             for i in range(params.n)
         ]
+        if params.structured_outputs is not None:
+            for request in group:
+                request.matcher = self.grammars.matcher(params.structured_outputs)
         self.groups[request_id] = group
         for request in group:
             self.scheduler.add(request)
@@ -129,6 +134,8 @@ class LLMEngine:
         that can be served (not empty, ids in the vocabulary, fits the context and the pool).
         Raises ValueError naming the problem."""
         params.validate(self.model_config.vocab_size)
+        if params.structured_outputs is not None:
+            self.grammars.check(params.structured_outputs)
         if not ids:
             raise ValueError("the prompt is empty")
         vocab = self.model_config.vocab_size

@@ -5,13 +5,16 @@ the step's outputs, one per request group that progressed.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
-from radixserve.engine.detokenizer import Detokenizer
+from radixserve.engine.detokenizer import Detokenizer, Stop
 from radixserve.engine.request import Request, RequestStatus
 from radixserve.engine.runner import StepResult
 from radixserve.engine.scheduler import Scheduler, SchedulerOutput
 from radixserve.outputs import CompletionOutput, RequestOutput
+
+logger = logging.getLogger(__name__)
 
 
 class Postprocessor:
@@ -34,11 +37,26 @@ class Postprocessor:
             if logprob is not None:
                 request.output_logprobs.append(logprob)
             stop = self.detokenizer.update(request)
+            if stop is None and request.matcher is not None and _grammar_done(request, token):
+                stop = Stop("stop")
             if stop is not None:
                 request.stop_reason = stop.stop_reason
                 request.metrics.finished_time = now
                 self.scheduler.finish(request, stop.reason)
         return result.sampled
+
+
+def _grammar_done(request: Request, token: int) -> bool:
+    """Follows `token` in the request's grammar; True when the output is complete. A token the
+    grammar refuses cannot be sampled (the mask removed it), short of a bug: the output then
+    ends rather than run on unconstrained."""
+    matcher = request.matcher
+    assert matcher is not None
+    if not matcher.accept(token):
+        logger.error("request %s: sampled token %d outside its grammar (%s); ending it",
+                     request.request_id, token, matcher.error)
+        return True
+    return matcher.finished
 
 
 def make_output(group_id: str, group: list[Request]) -> RequestOutput:

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from radixserve.cache.base import CacheHandle
+from radixserve.engine.structured_output import GrammarMatcher
 from radixserve.outputs import FinishReason, RequestMetrics
 from radixserve.sampling_params import SamplingParams
 
@@ -59,6 +60,8 @@ class Request:
     # up to each offset is pinned in the cache once published, until arrival + TTL.
     pins: list[tuple[int, float]] = field(default_factory=list)
     generator: torch.Generator | None = None
+    # The structured output's grammar state, when the request has one.
+    matcher: GrammarMatcher | None = None
     metrics: RequestMetrics = field(init=False)
     # Text state, kept by the engine's output processing.
     output_text: str = ""

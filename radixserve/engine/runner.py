@@ -8,14 +8,16 @@ request's known tokens get logits (a mid-prompt chunk needs none).
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
 from radixserve.engine.kv_pool import KVPool
 from radixserve.engine.request import Request
-from radixserve.engine.sampler import SampleResult, sample
+from radixserve.engine.sampler import SampleResult, SampleRow, sample
 from radixserve.engine.scheduler import SchedulerOutput
+from radixserve.engine.structured_output import fill_masks
 from radixserve.layers.attention import SequenceSpan, StepAttention, StepLayout
 from radixserve.model.llama import ForwardBatch, LlamaModel
 
@@ -36,6 +38,7 @@ class ModelRunner:
         self.device = device
         # Draws the samples of requests without a seed of their own (EngineConfig.seed).
         self.generator = generator
+        self._masks: ThreadPoolExecutor | None = None  # started by the first constrained step
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
@@ -88,14 +91,24 @@ class ModelRunner:
         self, plan: SchedulerOutput, banned: Callable[[Request], set[int] | None]
     ) -> StepResult:
         """Runs the plan and samples; `banned(request)` lists tokens it may not produce yet."""
-        logits, wants_logits = self.forward(plan)
+        batch, wants_logits = self.build_batch(plan)
+        # The grammar masks depend only on tokens already taken: they are computed on another
+        # thread while the model runs (llguidance releases the GIL, as do torch's kernels).
+        constrained = [r for r in wants_logits if r.matcher is not None]
+        masks = (self._mask_worker().submit(fill_masks, [r.matcher for r in constrained])
+                 if constrained else None)
+        logits = self.model(batch, self.pool.layers)
         if not wants_logits:
             return StepResult([], SampleResult([], []))
+        allowed = dict(zip(map(id, constrained), masks.result(), strict=True)) if masks else {}
+        rows = [SampleRow(r.params, r.generator or self.generator, banned(r), r.token_ids,
+                          len(r.prompt_token_ids), allowed.get(id(r)))
+                for r in wants_logits]
         with torch.inference_mode():
-            samples = sample(
-                logits.cpu(),
-                [r.params for r in wants_logits],
-                [r.generator or self.generator for r in wants_logits],
-                [banned(r) for r in wants_logits],
-            )
+            samples = sample(logits.cpu(), rows)
         return StepResult(wants_logits, samples)
+
+    def _mask_worker(self) -> ThreadPoolExecutor:
+        if self._masks is None:
+            self._masks = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+        return self._masks

@@ -1,4 +1,5 @@
-"""Turns a batch of next-token logits into tokens: greedy, temperature, top-k, top-p, seeds.
+"""Turns a batch of next-token logits into tokens: the logits' adjustments (banned tokens, a
+grammar's mask, logit_bias and penalties), then greedy, temperature, top-k, top-p, seeds.
 
 Greedy rows take an argmax in one call; sampled rows are handled one by one, since each may
 carry its own generator (a per-request seed must not depend on what else is in the batch).
@@ -10,7 +11,24 @@ from dataclasses import dataclass
 
 import torch
 
+from radixserve.engine.logits_processors import apply_logits_processors
 from radixserve.sampling_params import SamplingParams
+
+
+@dataclass
+class SampleRow:
+    """What sampling one row needs to know of its request."""
+
+    params: SamplingParams
+    generator: torch.Generator | None  # None: the global RNG
+    # Tokens the row may not produce yet (EOS before min_tokens), or None.
+    banned: set[int] | None = None
+    # The request's tokens so far, prompt then output (penalties read them).
+    token_ids: list[int] | None = None
+    prompt_len: int = 0
+    # The grammar's allowed tokens as a bitmask (int32 words, bit t % 32 of word t // 32), or
+    # None when the request has no structured output.
+    allowed: torch.Tensor | None = None
 
 
 @dataclass
@@ -34,38 +52,54 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
     return logits
 
 
-def sample(
-    logits: torch.Tensor,
-    params: list[SamplingParams],
-    generators: list[torch.Generator | None],
-    banned: list[set[int] | None] | None = None,
-) -> SampleResult:
-    """Samples one token per row of `logits` ([R, vocab], float32).
+_BITS = torch.arange(32, dtype=torch.int32)
 
-    `banned[i]` lists tokens row i may not produce yet (EOS before min_tokens).
-    """
-    logits = logits.float()
-    if banned is not None and any(banned):
-        logits = logits.clone()  # the caller's logits stay untouched
-    if banned is not None:
-        for i, tokens in enumerate(banned):
-            if tokens:
-                logits[i, list(tokens)] = float("-inf")
+
+def allowed_tokens(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """A bool [vocab] tensor from a grammar's int32 bitmask; ids past the mask (a model's
+    padded vocabulary beyond the tokenizer's) are never allowed."""
+    bits = ((bitmask.unsqueeze(-1) >> _BITS) & 1).flatten()[:vocab].bool()
+    if bits.numel() < vocab:
+        bits = torch.cat([bits, bits.new_zeros(vocab - bits.numel())])
+    return bits
+
+
+def _adjusted(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """The logits sampling draws from: a copy where anything changes them (the caller's stay
+    untouched). A grammar's mask comes last, after logit_bias: a bias cannot revive a token
+    the grammar forbids."""
+    changed = any(r.banned or r.allowed is not None for r in rows)
+    logits = apply_logits_processors(logits.clone() if changed else logits, rows)
+    for i, row in enumerate(rows):
+        if row.allowed is not None:
+            logits[i].masked_fill_(~allowed_tokens(row.allowed, logits.shape[-1]), float("-inf"))
+        if row.banned:
+            kept = logits[i].clone() if row.allowed is not None else None
+            logits[i, list(row.banned)] = float("-inf")
+            if kept is not None and not torch.isfinite(logits[i]).any():
+                logits[i] = kept  # the grammar allows only what min_tokens bans: it must end
+    return logits
+
+
+def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
+    """Samples one token per row of `logits` ([R, vocab], float32), `rows[i]` saying how."""
+    logits = _adjusted(logits.float(), rows)
     chosen = torch.argmax(logits, dim=-1)
     tokens: list[int] = chosen.tolist()
-    for i, p in enumerate(params):
+    for i, row in enumerate(rows):
+        p = row.params
         if p.greedy:
             continue
-        row = _filter_top_k_top_p(logits[i] / p.temperature, p.top_k, p.top_p)
-        probs = torch.softmax(row, dim=-1)
-        tokens[i] = int(torch.multinomial(probs, 1, generator=generators[i]).item())
-    logprobs: list[tuple[float, dict[int, float]] | None] = [None] * len(params)
-    want = [i for i, p in enumerate(params) if p.logprobs is not None]
+        filtered = _filter_top_k_top_p(logits[i] / p.temperature, p.top_k, p.top_p)
+        probs = torch.softmax(filtered, dim=-1)
+        tokens[i] = int(torch.multinomial(probs, 1, generator=row.generator).item())
+    logprobs: list[tuple[float, dict[int, float]] | None] = [None] * len(rows)
+    want = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
     if want:
         lp = torch.log_softmax(logits[want], dim=-1)
-        for row, i in enumerate(want):
-            k = params[i].logprobs or 0
-            top = torch.topk(lp[row], k) if k else None
+        for at, i in enumerate(want):
+            k = rows[i].params.logprobs or 0
+            top = torch.topk(lp[at], k) if k else None
             top_map = dict(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top else {}
-            logprobs[i] = (float(lp[row, tokens[i]]), top_map)
+            logprobs[i] = (float(lp[at, tokens[i]]), top_map)
     return SampleResult(tokens, logprobs)
