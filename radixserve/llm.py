@@ -37,7 +37,9 @@ class LLM:
         use_tqdm: bool = True,
         cache_salt: str | None = None,
     ) -> list[RequestOutput]:
-        """One result per prompt, in order. Prompts are strings or {"prompt_token_ids": [...]}."""
+        """One result per prompt, in order. Prompts are strings or {"prompt_token_ids": [...]}.
+        `SamplingParams(prompt_logprobs=k, max_tokens=0)` scores a prompt: see
+        `RequestOutput.prompt_logprobs`."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)

@@ -7,6 +7,9 @@ from typing import Literal
 
 # "error": the forward pass failed for this request (its KV was not kept).
 FinishReason = Literal["stop", "length", "abort", "error"]
+# One token's log-probability and its top alternatives {token id: logprob}, as vLLM returns
+# them (the top ones need not include the token itself).
+TokenLogprob = tuple[float, dict[int, float]]
 
 
 @dataclass
@@ -17,7 +20,7 @@ class CompletionOutput:
     finish_reason: FinishReason | None  # None while running
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     # Per output token: (chosen token's logprob, {token id: logprob} of the top ones).
-    logprobs: list[tuple[float, dict[int, float]]] | None = None
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -37,5 +40,8 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (it
+    # has no context), as vLLM returns them; None when not asked for.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     # Extra fields the server's accounting needs (not part of vLLM's shape).
     extra: dict[str, object] = field(default_factory=dict)

@@ -18,6 +18,17 @@ def model_path() -> Path:
     return default_model_path()
 
 
+@pytest.fixture(scope="session")
+def hf_model(model_path: Path):
+    """The oracle: HF transformers' Llama on the same GGUF weights, dequantized to float32
+    (about 30 s to load on two cores: once per session, shared by the modules that need it)."""
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(model_path.parent), gguf_file=model_path.name, dtype=torch.float32
+    )
+    return model.eval()
+
+
 # Settings for a small, quiet engine: tests keep pools small and outputs short.
 SMALL_ENGINE = dict(kv_cache_tokens=8192, show_progress=False, debug_invariants=True)
 

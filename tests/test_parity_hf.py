@@ -10,19 +10,11 @@ import torch
 from radixserve import LLM, SamplingParams
 from tests.conftest import SMALL_ENGINE
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 
 PROMPT_LENGTHS = [5, 17, 64, 130, 257, 500, 777, 1000]
 # Float32 throughout; the only differences are summation orders (fused qkv, SDPA vs einsum).
 LOGIT_TOLERANCE = 2e-3
-
-
-@pytest.fixture(scope="module")
-def hf_model(model_path):
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(model_path.parent), gguf_file=model_path.name, dtype=torch.float32
-    )
-    return model.eval()
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """Every state change a step makes, in one place: computed tokens and cache publishing (the
-scheduler's books), sampled tokens, text and stop conditions, finishes, first-token times; then
-the step's outputs, one per request group that progressed.
+scheduler's books), prompt log-probabilities, sampled tokens, text and stop conditions,
+finishes, first-token times; then the step's outputs, one per request group that progressed.
 """
 
 from __future__ import annotations
@@ -25,9 +25,18 @@ class Postprocessor:
         self.clock = clock
 
     def apply(self, plan: SchedulerOutput, result: StepResult) -> list[Request]:
-        """Applies a step that ran; returns the requests that got a token."""
+        """Applies a step that ran; returns the requests that got a token, or that completed
+        their prompt with max_tokens 0 (scoring it: they end without sampling)."""
+        scored = [c.request for c in plan.prefills
+                  if c.completes_prompt and c.request.params.max_tokens == 0]
         self.scheduler.advance(plan)
+        for request, entries in result.prompt_logprobs:
+            assert request.prompt_logprobs is not None
+            request.prompt_logprobs.extend(entries)
         now = self.clock()
+        for request in scored:
+            request.metrics.finished_time = now
+            self.scheduler.finish(request, "length")
         samples = result.samples
         for request, token, logprob in zip(result.sampled, samples.token_ids, samples.logprobs,
                                            strict=True):
@@ -43,7 +52,7 @@ class Postprocessor:
                 request.stop_reason = stop.stop_reason
                 request.metrics.finished_time = now
                 self.scheduler.finish(request, stop.reason)
-        return result.sampled
+        return result.sampled + scored
 
 
 def _grammar_done(request: Request, token: int) -> bool:
@@ -62,6 +71,9 @@ def _grammar_done(request: Request, token: int) -> bool:
 def make_output(group_id: str, group: list[Request]) -> RequestOutput:
     """The user-facing result of one request group (n samples of one prompt), so far."""
     first = group[0]
+    # Samples finish their prompts at different steps; any complete copy will do.
+    scored = next((r for r in group if r.prompt_logprobs is not None
+                   and not r.needs_prompt_logprobs), first)
     completions = [
         CompletionOutput(
             index=r.sample_index,
@@ -81,4 +93,6 @@ def make_output(group_id: str, group: list[Request]) -> RequestOutput:
         finished=all(r.status is RequestStatus.FINISHED for r in group),
         num_cached_tokens=first.num_cached_tokens or 0,
         metrics=first.metrics,
+        prompt_logprobs=(list(scored.prompt_logprobs) if scored.prompt_logprobs is not None
+                         else None),
     )

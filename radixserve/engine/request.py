@@ -16,7 +16,7 @@ import torch
 
 from radixserve.cache.base import CacheHandle
 from radixserve.engine.structured_output import GrammarMatcher
-from radixserve.outputs import FinishReason, RequestMetrics
+from radixserve.outputs import FinishReason, RequestMetrics, TokenLogprob
 from radixserve.sampling_params import SamplingParams
 
 
@@ -41,7 +41,11 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     # prompt + output tokens in one list, grown by `append_output` (read in every step).
     token_ids: list[int] = field(init=False)
-    output_logprobs: list[tuple[float, dict[int, float]]] = field(default_factory=list)
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # One entry per prompt token computed so far (None for the first, which has no context),
+    # when params.prompt_logprobs asks for them, else None. Complete at len(prompt_token_ids)
+    # entries; each of n samples computes its own, so each has them before its first token.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
@@ -70,6 +74,8 @@ class Request:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
         self.token_ids = self.prompt_token_ids + self.output_token_ids
         self.group_id = self.group_id or self.request_id
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
         if self.params.seed is not None:
             self.generator = torch.Generator()
             self.generator.manual_seed(self.params.seed + self.sample_index)
@@ -110,6 +116,13 @@ class Request:
     def append_output(self, token: int) -> None:
         self.output_token_ids.append(token)
         self.token_ids.append(token)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """True while prompt log-probabilities are still to compute: the request must then
+        compute its whole prompt (a cached position has no logits), see the scheduler."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(
+            self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:

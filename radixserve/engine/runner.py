@@ -2,14 +2,18 @@
 plan it once, runs the model and samples.
 
 Decode tokens come first in the flattened batch, then prefill chunks; only rows that end a
-request's known tokens get logits (a mid-prompt chunk needs none).
+request's known tokens get logits for sampling (a mid-prompt chunk needs none, nor a prompt with
+max_tokens 0, which is computed to be scored). A request that
+asks for prompt log-probabilities also has its prompt rows scored, a slice at a time, so a long
+chunk never holds its [rows, vocab] logits at once.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -20,6 +24,28 @@ from radixserve.engine.scheduler import SchedulerOutput
 from radixserve.engine.structured_output import fill_masks
 from radixserve.layers.attention import SequenceSpan, StepAttention, StepLayout
 from radixserve.model.llama import ForwardBatch, LlamaModel
+from radixserve.outputs import TokenLogprob
+
+# Prompt rows projected to logits at once: 256 x a 49k vocabulary is 50 MB of float32 (twice
+# that with the log-softmax), whatever the chunk's length.
+PROMPT_LOGPROB_ROWS = 256
+
+
+@dataclass(frozen=True)
+class PromptLogprobSpan:
+    """Rows of a step that score prompt tokens: row `first_row + i` holds position
+    `first_target + i - 1`, whose logits give prompt token `first_target + i` its logprob."""
+
+    request: Request
+    first_row: int
+    first_target: int
+    count: int
+
+
+class StepBatch(NamedTuple):
+    batch: ForwardBatch
+    wants_logits: list[Request]  # whose sampling logits the batch returns, in row order
+    prompt_spans: list[PromptLogprobSpan]
 
 
 @dataclass(frozen=True)
@@ -27,6 +53,8 @@ class StepResult:
     # The requests whose newest token was computed this step, with the sampled next tokens.
     sampled: list[Request]
     samples: SampleResult
+    # Prompt log-probabilities computed this step: each request's next entries, in order.
+    prompt_logprobs: list[tuple[Request, list[TokenLogprob]]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -43,8 +71,9 @@ class ModelRunner:
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
 
-    def build_batch(self, plan: SchedulerOutput) -> tuple[ForwardBatch, list[Request]]:
-        """The step's batch, and the requests whose logits it returns, in row order."""
+    def build_batch(self, plan: SchedulerOutput) -> StepBatch:
+        """The step's batch, the requests whose logits it returns, and its prompt rows to
+        score."""
         ids: list[int] = []
         positions: list[int] = []
         write_slots: list[int] = []
@@ -62,14 +91,18 @@ class ModelRunner:
             positions.append(pos)
             write_slots.append(request.slots[pos])
         prefills: list[SequenceSpan] = []
+        prompt_spans: list[PromptLogprobSpan] = []
         for chunk in plan.prefills:
             request, n = chunk.request, chunk.num_tokens
             first = request.num_computed
             prefills.append(SequenceSpan(request, len(ids), n, first))
+            span = _prompt_span(request, len(ids), first, n)
+            if span is not None:
+                prompt_spans.append(span)
             ids.extend(request.token_ids[first : first + n])
             positions.extend(range(first, first + n))
             write_slots.extend(request.slots[first : first + n])
-            if chunk.completes_prompt:
+            if chunk.completes_prompt and request.params.max_tokens > 0:
                 logit_rows.append(len(ids) - 1)
                 wants_logits.append(request)
         layout = StepLayout(decodes, prefills, self._tensor(write_slots))
@@ -80,35 +113,77 @@ class ModelRunner:
             attention=self.attention,
             attention_plan=self.attention.plan(layout),
         )
-        return batch, wants_logits
+        return StepBatch(batch, wants_logits, prompt_spans)
 
     def forward(self, plan: SchedulerOutput) -> tuple[torch.Tensor, list[Request]]:
         """Float32 logits [R, vocab] of the step, and the requests they belong to."""
-        batch, wants_logits = self.build_batch(plan)
+        batch, wants_logits, _ = self.build_batch(plan)
         return self.model(batch, self.pool.layers), wants_logits
 
     def run(
         self, plan: SchedulerOutput, banned: Callable[[Request], set[int] | None]
     ) -> StepResult:
         """Runs the plan and samples; `banned(request)` lists tokens it may not produce yet."""
-        batch, wants_logits = self.build_batch(plan)
+        batch, wants_logits, prompt_spans = self.build_batch(plan)
         # The grammar masks depend only on tokens already taken: they are computed on another
         # thread while the model runs (llguidance releases the GIL, as do torch's kernels).
         constrained = [r for r in wants_logits if r.matcher is not None]
         masks = (self._mask_worker().submit(fill_masks, [r.matcher for r in constrained])
                  if constrained else None)
-        logits = self.model(batch, self.pool.layers)
+        hidden = self.model.hidden_states(batch, self.pool.layers)
+        prompt_logprobs = [(span.request, self._score_prompt(hidden, span))
+                           for span in prompt_spans]
         if not wants_logits:
-            return StepResult([], SampleResult([], []))
+            return StepResult([], SampleResult([], []), prompt_logprobs)
+        logits = self.model.compute_logits(hidden[batch.logit_rows])
         allowed = dict(zip(map(id, constrained), masks.result(), strict=True)) if masks else {}
         rows = [SampleRow(r.params, r.generator or self.generator, banned(r), r.token_ids,
                           len(r.prompt_token_ids), allowed.get(id(r)))
                 for r in wants_logits]
         with torch.inference_mode():
             samples = sample(logits.cpu(), rows)
-        return StepResult(wants_logits, samples)
+        return StepResult(wants_logits, samples, prompt_logprobs)
+
+    @torch.inference_mode()
+    def _score_prompt(self, hidden: torch.Tensor, span: PromptLogprobSpan) -> list[TokenLogprob]:
+        """The span's prompt tokens' float32 log-probabilities with their top alternatives,
+        PROMPT_LOGPROB_ROWS rows at a time."""
+        request = span.request
+        top_k = request.params.prompt_logprobs or 0
+        targets = request.prompt_token_ids[span.first_target : span.first_target + span.count]
+        entries: list[TokenLogprob] = []
+        for start in range(0, span.count, PROMPT_LOGPROB_ROWS):
+            stop = min(start + PROMPT_LOGPROB_ROWS, span.count)
+            rows = hidden[span.first_row + start : span.first_row + stop]
+            logprobs = torch.log_softmax(self.model.compute_logits(rows), dim=-1)
+            index = torch.tensor(targets[start:stop], device=logprobs.device).unsqueeze(1)
+            chosen = logprobs.gather(1, index).squeeze(1).tolist()
+            if top_k:
+                top = torch.topk(logprobs, top_k, dim=-1)
+                tops = [dict(zip(ids, values, strict=True)) for ids, values in
+                        zip(top.indices.tolist(), top.values.tolist(), strict=True)]
+            else:
+                tops = [{} for _ in chosen]
+            entries.extend(zip(chosen, tops, strict=True))
+        return entries
 
     def _mask_worker(self) -> ThreadPoolExecutor:
         if self._masks is None:
             self._masks = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
         return self._masks
+
+
+def _prompt_span(request: Request, first_row: int, first: int, n: int) -> PromptLogprobSpan | None:
+    """The rows of a prefill chunk (positions first .. first + n - 1, from `first_row`) that
+    score prompt tokens the request still needs logprobs of (position p scores token p + 1);
+    None when there are none."""
+    if not request.needs_prompt_logprobs:
+        return None
+    have = len(request.prompt_logprobs or ())
+    # These requests compute their whole prompt (no cache hit), chunk after chunk, so nothing
+    # before this chunk's first target can be missing; after a preemption, more may be had.
+    assert have >= first + 1, (request.request_id, have, first)
+    start, stop = have, min(first + n + 1, len(request.prompt_token_ids))
+    if start >= stop:
+        return None
+    return PromptLogprobSpan(request, first_row + start - 1 - first, start, stop - start)

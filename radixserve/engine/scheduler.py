@@ -5,6 +5,10 @@ in chunks, and waiting ones are admitted while the token budget, `max_num_seqs` 
 pool allow. Admission reuses the prefix cache: match, lock, budget memory (counting what
 eviction can free), allocate. When decode runs out of pages the newest request is preempted
 (recompute later); its computed KV stays in the cache so it can hit on the way back in.
+
+A request that asks for prompt log-probabilities needs the logits of every prompt position, and
+a cached position has none: until it has them all it skips the cache match (computing its whole
+prompt, reporting 0 cached tokens, not counted as a cache query), but publishes its KV as usual.
 """
 
 from __future__ import annotations
@@ -204,7 +208,7 @@ class Scheduler:
         scan = list(self.waiting)[: self.config.lpm_scan_limit]
         aged = [r for r in scan if now - r.arrival_time >= self.config.lpm_max_wait_s]
         fresh = [r for r in scan if now - r.arrival_time < self.config.lpm_max_wait_s]
-        limit = [r.num_tokens - 1 for r in fresh]
+        limit = [0 if r.needs_prompt_logprobs else r.num_tokens - 1 for r in fresh]
         hits = [
             self.cache.match_prefix(r.namespace, r.token_ids[:n]).length
             for r, n in zip(fresh, limit, strict=True)
@@ -218,7 +222,7 @@ class Scheduler:
         Admitting it now would compute that prefix a second time; once the other request
         publishes its chunks, this one hits them instead.
         """
-        if not self.cache.stores_slots:
+        if not self.cache.stores_slots or request.needs_prompt_logprobs:
             return False
         need = self.config.dedup_min_tokens
         tokens = request.token_ids
@@ -232,8 +236,11 @@ class Scheduler:
 
     def _try_admit(self, request: Request) -> Request | None:
         # Check, lock, re-check, allocate: locking the match takes it out of what eviction
-        # could free, so the budget is computed after the lock.
-        match = self.cache.match_prefix(request.namespace, request.token_ids[: request.num_tokens - 1])
+        # could free, so the budget is computed after the lock. Prompt logprobs need every
+        # position computed: such a request matches nothing (the empty prefix).
+        reads_cache = not request.needs_prompt_logprobs
+        lookup = request.num_tokens - 1 if reads_cache else 0
+        match = self.cache.match_prefix(request.namespace, request.token_ids[:lookup])
         self.cache.lock(match.handle)
         need_tokens = request.num_tokens - match.length
         need_pages = -(-need_tokens // self.page_size)
@@ -258,8 +265,9 @@ class Scheduler:
         if request.num_cached_tokens is None:
             request.num_cached_tokens = match.length
             request.metrics.first_scheduled_time = self.clock()
-            self.counters.prefix_cache_queries += len(request.prompt_token_ids)
-            self.counters.prefix_cache_hits += match.length
+            if reads_cache:
+                self.counters.prefix_cache_queries += len(request.prompt_token_ids)
+                self.counters.prefix_cache_hits += match.length
         return request
 
     # ----- cache bookkeeping -----

@@ -186,6 +186,18 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, caches: list[LayerKV]) -> torch.Tensor:
         """Runs the batch, writing its K/V into the caches; returns float32 logits [R, vocab]."""
+        return self.compute_logits(self.hidden_states(batch, caches)[batch.logit_rows])
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits [N, vocab] of rows of `hidden_states`; each row is independent, so a
+        caller may project many rows a slice at a time (prompt log-probabilities do)."""
+        return self.lm_head(self.norm(hidden)).float()
+
+    @torch.inference_mode()
+    def hidden_states(self, batch: ForwardBatch, caches: list[LayerKV]) -> torch.Tensor:
+        """Runs the batch, writing its K/V into the caches; returns the last layer's output
+        [T, hidden] for every row, before the final norm (see `compute_logits`)."""
         x = self.embed_tokens(batch.input_ids)
         angles = batch.positions.to(self.inv_freq.dtype).unsqueeze(-1) * self.inv_freq
         rotary = Rotary(angles.cos(), angles.sin())  # [T, D / 2] each
@@ -194,8 +206,7 @@ class LlamaModel(nn.Module):
             h = layer.self_attn(layer.input_layernorm(residual), rotary, batch, caches[i])
             residual = residual + h
             residual = residual + layer.mlp(layer.post_attention_layernorm(residual))
-        last = self.norm(residual[batch.logit_rows])
-        return self.lm_head(last).float()
+        return residual
 
     def load_hf_weights(self, weights: dict[str, torch.Tensor | QuantizedWeight],
                         dtype: torch.dtype, progress: bool = False) -> None:

@@ -88,7 +88,8 @@ class Exchange(ABC):
     """One request's API-specific half: its jobs, its response body and its stream's events.
     `handle` calls `start` once, after admission; then either `response_body` (and
     `response_headers`) or the stream methods, in order: `stream_headers`, `opening_events`,
-    `delta_event` per sample per output, then `closing_events`, or `error_events` instead."""
+    `observe_output` per output and `delta_event` per sample of it, then `closing_events`, or
+    `error_events` instead."""
 
     # The stream's headers and first events wait for the engine's first output (its usage is
     # known then; an error before it is an HTTP error, not an event).
@@ -116,6 +117,11 @@ class Exchange(ABC):
     @abstractmethod
     def opening_events(self) -> list[bytes]:
         """What a stream sends before the first delta."""
+
+    def observe_output(self, job: int, output: RequestOutput) -> None:
+        """Sees each cumulative output of a stream before its samples' deltas (for what a
+        route sends once per job, such as an echoed prompt's logprobs)."""
+        return None
 
     @abstractmethod
     def delta_event(self, delta: Delta) -> bytes | None:
@@ -197,6 +203,7 @@ async def _events(exchange: Exchange, jobs: list[Job], outputs: Outputs,
             while item is not None:
                 index, output = item
                 finals[index] = output
+                exchange.observe_output(index, output)
                 for sample in output.outputs:
                     check_sample(sample)
                     key = (index, sample.index)

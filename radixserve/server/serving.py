@@ -125,7 +125,12 @@ class _JobTracker:
             if sample.finish_reason is not None and self.finished[i] is None:
                 self.finished[i] = sample.finish_reason
                 m.request_finished(sample.finish_reason)
-        if output.finished and all(r in ("stop", "length") for r in self.finished):
+        completed = output.finished and all(r in ("stop", "length") for r in self.finished)
+        if completed and not self.started:
+            # max_tokens 0 (scoring a prompt): the prompt was computed, nothing generated.
+            self.started = True
+            m.prompt_tokens.inc(len(self.job.prompt_ids) * self.job.params.n)
+        if completed:
             m.e2e_request_latency.observe(now - self.received_at)
 
     def close(self) -> None:
