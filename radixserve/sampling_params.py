@@ -83,7 +83,9 @@ class SamplingParams:
     logprobs: int | None = None  # number of top log-probabilities to return per token
     min_tokens: int = 0
     # Log-probabilities of the prompt's tokens, with this many top alternatives each (vLLM's
-    # name); None: none. A request that asks computes its whole prompt (see the scheduler).
+    # name); None: none. A request that asks computes its whole prompt: it takes no prefix-cache
+    # hit (a cached position has no logits; its cached tokens are 0) but still publishes its
+    # KV for others (see the scheduler). With max_tokens 0 it only scores the prompt.
     prompt_logprobs: int | None = None
     # Added to a token's logit before sampling (OpenAI's logit_bias: token id -> [-100, 100]).
     logit_bias: dict[int, float] | None = None

@@ -80,7 +80,7 @@ def test_tool_calls_render_as_text_for_templates_without_them() -> None:
             "function": {"name": "lookup", "arguments": '{"word": "cache"}'}}
     dicts = message_dicts([ChatMessage(role="assistant", content=None, tool_calls=[call])],
                           None, "{{ messages }}")
-    assert dicts[0]["content"] == '<tool_call>{"arguments": {"word": "cache"}, "name": "lookup"}</tool_call>'
+    assert dicts[0]["content"] == '<tool_call>{"name": "lookup", "arguments": {"word": "cache"}}</tool_call>'
 
 
 def test_cache_namespaces() -> None:

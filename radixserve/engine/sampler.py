@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from radixserve.engine.logits_processors import apply_logits_processors
+from radixserve.kernels import token_bitmask_op
 from radixserve.sampling_params import SamplingParams
 
 
@@ -56,11 +57,11 @@ _BITS = torch.arange(32, dtype=torch.int32)
 
 
 def allowed_tokens(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
-    """A bool [vocab] tensor from a grammar's int32 bitmask; ids past the mask (a model's
+    """Bool [..., vocab] from grammars' int32 bitmasks [..., words]; ids past a mask (a model's
     padded vocabulary beyond the tokenizer's) are never allowed."""
-    bits = ((bitmask.unsqueeze(-1) >> _BITS) & 1).flatten()[:vocab].bool()
-    if bits.numel() < vocab:
-        bits = torch.cat([bits, bits.new_zeros(vocab - bits.numel())])
+    bits = ((bitmask.unsqueeze(-1) >> _BITS) & 1).flatten(-2)[..., :vocab].bool()
+    if bits.shape[-1] < vocab:
+        bits = torch.cat([bits, bits.new_zeros((*bits.shape[:-1], vocab - bits.shape[-1]))], -1)
     return bits
 
 
@@ -68,11 +69,20 @@ def _adjusted(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     """The logits sampling draws from: a copy where anything changes them (the caller's stay
     untouched). A grammar's mask comes last, after logit_bias: a bias cannot revive a token
     the grammar forbids."""
-    changed = any(r.banned or r.allowed is not None for r in rows)
-    logits = apply_logits_processors(logits.clone() if changed else logits, rows)
+    adjusted = apply_logits_processors(logits, rows)  # a new tensor when it changes any
+    if adjusted is logits and any(r.banned or r.allowed is not None for r in rows):
+        adjusted = logits.clone()
+    logits = adjusted
+    masked = [i for i, row in enumerate(rows) if row.allowed is not None]
+    if masked:
+        masks = torch.stack([rows[i].allowed for i in masked])  # type: ignore[misc]
+        op = token_bitmask_op()
+        if op is not None and logits.dtype == torch.float32 and logits.is_contiguous():
+            op(logits, masks.contiguous(), torch.tensor(masked, dtype=torch.int64))
+        else:
+            bits = allowed_tokens(masks, logits.shape[-1])
+            logits[masked] = logits[masked].masked_fill_(~bits, float("-inf"))
     for i, row in enumerate(rows):
-        if row.allowed is not None:
-            logits[i].masked_fill_(~allowed_tokens(row.allowed, logits.shape[-1]), float("-inf"))
         if row.banned:
             kept = logits[i].clone() if row.allowed is not None else None
             logits[i, list(row.banned)] = float("-inf")

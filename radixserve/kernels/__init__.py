@@ -89,6 +89,13 @@ def layer_ops() -> LayerOps | None:
     return LayerOps() if _library() else None
 
 
+def token_bitmask_op() -> Callable[..., None] | None:
+    """`torch.ops.radixserve.apply_token_bitmask_` (layer_ops.cpp), None where the kernels
+    cannot be built. Signature: (logits float32 [R, vocab], masks int32 [M, words], rows int64
+    [M]) -> None: row rows[m] keeps only the tokens whose bit is set in mask m."""
+    return torch.ops.radixserve.apply_token_bitmask_ if _library() else None
+
+
 FLOAT_PATHS = ("portable", "avx2", "avx512")  # skinny_float_linear's paths, by max_path
 
 

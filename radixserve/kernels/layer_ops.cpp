@@ -1,5 +1,6 @@
 // The small per-layer operations of a decoder layer, one call each: RMSNorm and the rotary
-// embedding of q and k.
+// embedding of q and k; and, as small and as dispatch-bound, a grammar's token mask applied
+// to the sampler's logits.
 //
 // Why: in a decode step their tensors are a few thousand numbers, and what they cost is the
 // dispatch of the PyTorch kernels they are made of. F.rms_norm on the CPU is six of them
@@ -17,8 +18,10 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 
 namespace {
 
@@ -125,9 +128,49 @@ void rotary_embedding_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor&
                 tokens, heads, stride, d);
 }
 
+// Sets logits[rows[m], v] to -inf for every token v that grammar mask m does not allow (bit
+// v % 32 of word v / 32 clear, or v past the mask). One pass over the masked rows: in PyTorch
+// the same took five kernels over [rows, vocab] and 4 ms a step at 16 constrained requests.
+void apply_token_bitmask_(at::Tensor& logits, const at::Tensor& masks, const at::Tensor& rows) {
+  TORCH_CHECK_VALUE(logits.device().is_cpu() && logits.scalar_type() == at::kFloat &&
+                        logits.dim() == 2 && logits.is_contiguous(),
+                    "logits: contiguous float32 [R, vocab] on the CPU");
+  TORCH_CHECK_VALUE(masks.scalar_type() == at::kInt && masks.dim() == 2 && masks.is_contiguous(),
+                    "masks: contiguous int32 [M, words]");
+  TORCH_CHECK_VALUE(rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.is_contiguous() &&
+                        rows.size(0) == masks.size(0),
+                    "rows: int64 [M], the logits row of each mask");
+  const int64_t vocab = logits.size(1), words = masks.size(1);
+  const int64_t* row_of = rows.data_ptr<int64_t>();
+  for (int64_t m = 0; m < rows.size(0); ++m)
+    TORCH_CHECK_INDEX(row_of[m] >= 0 && row_of[m] < logits.size(0), "rows out of range");
+  float* out = logits.data_ptr<float>();
+  const uint32_t* bits = reinterpret_cast<const uint32_t*>(masks.data_ptr<int32_t>());
+  const float minus_inf = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, rows.size(0), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      float* row = out + row_of[m] * vocab;
+      const uint32_t* mask = bits + m * words;
+      const int64_t covered = std::min(vocab, 32 * words);
+      // A grammar's mask is mostly whole words of 0 (forbidden) or of 1 (allowed); the others
+      // take a branch-free select per token (a bit-test branch mispredicts half the time).
+      for (int64_t w = 0; w * 32 < covered; ++w) {
+        const uint32_t word = mask[w];
+        const int64_t first = 32 * w, n = std::min<int64_t>(32, covered - first);
+        if (word == ~0u) continue;
+        for (int64_t i = 0; i < n; ++i)
+          row[first + i] = ((word >> i) & 1u) ? row[first + i] : minus_inf;
+      }
+      for (int64_t v = covered; v < vocab; ++v) row[v] = minus_inf;
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(radixserve, m) {
+  m.def("apply_token_bitmask_(Tensor(a!) logits, Tensor masks, Tensor rows) -> ()");
+  m.impl("apply_token_bitmask_", c10::DispatchKey::CPU, TORCH_FN(apply_token_bitmask_));
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(rms_norm));
   m.def("rotary_embedding_(Tensor(a!) qkv, Tensor cos, Tensor sin, int heads) -> ()");

@@ -7,13 +7,15 @@ usage, and the cost headers price the prompt (the output is not known yet).
 
 from __future__ import annotations
 
+import json
+import uuid
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
 
 from radixserve.outputs import RequestOutput
-from radixserve.sampling_params import SamplingParams
+from radixserve.sampling_params import SamplingParams, StructuredOutputsParams
 from radixserve.server.accounting import CacheLedger, JobAccount
 from radixserve.server.anthropic_prompt import PreparedPrompt, prepare_prompt
 from radixserve.server.anthropic_protocol import (
@@ -30,11 +32,25 @@ from radixserve.server.context import ServerContext
 from radixserve.server.errors import APIError, bad_request
 from radixserve.server.exchange import Delta, Exchange, handle
 from radixserve.server.serving import Job
+from radixserve.server.tool_parsers import ToolCallStream, parse_tool_calls
+from radixserve.server.tool_use import (
+    ToolChoice,
+    ToolSpec,
+    anthropic_tool_choice,
+    anthropic_tools,
+    forced_call_grammar,
+)
 from radixserve.server.transport import sse
 from radixserve.server.validation import checked_sampling_params
 from radixserve.vendors import Cost
 
 COST_HEADER = "x-radixserve-cost-usd"
+# Extended thinking (or output_config.effort) asked of a model without a reasoning mode:
+# served as a plain answer, and the response says so here (refusing it would lock out
+# clients that send it by default).
+THINKING_HEADER = "x-radixserve-thinking"
+THINKING_IGNORED = "ignored: this model has no reasoning mode"
+TOOL_CALL_FORMAT = "hermes"
 UNCACHED_COST_HEADER = "x-radixserve-uncached-cost-usd"
 
 
@@ -58,17 +74,53 @@ async def prepare_message(ctx: ServerContext, request: Request, raw: bytes) -> M
     body, prompt = await prepare_prompt(ctx, raw, MessagesRequest)
     if body.max_tokens == 0:
         _check_prewarm(body)
+    tools = anthropic_tools(body.tools)
+    choice = anthropic_tool_choice(body.tool_choice, tools)
+    structured = _constraint(body, tools, choice)
     # A pre-warm still samples one token (the engine always computes logits); it is not sent.
     params = checked_sampling_params(ctx, body, prompt.token_ids, max(1, body.max_tokens),
-                                     "messages")
+                                     "messages", structured)
     namespace = cache_namespace(ctx.settings, request.state.api_key, None)
     ledger: CacheLedger = request.app.state.cache_ledger
     return MessagesExchange(ledger, prompt, params, namespace, bool(body.stream),
-                            prewarm=body.max_tokens == 0)
+                            prewarm=body.max_tokens == 0,
+                            tool_parser=TOOL_CALL_FORMAT if choice.mode != "none" else None,
+                            thinking_ignored=(body.thinking or {}).get("type") == "enabled"
+                            or "effort" in (body.output_config or {}))
 
 
-def _cost_headers(request_id: str, cost: Cost | None) -> dict[str, str]:
+def _output_format(config: dict[str, Any] | None) -> StructuredOutputsParams | None:
+    """`output_config.format`: {"type": "json_schema", "schema": {...}}."""
+    fmt = (config or {}).get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(
+            fmt.get("schema"), dict):
+        raise bad_request('output_config.format must be {"type": "json_schema", "schema": '
+                          "{...}}.", "output_config.format")
+    return StructuredOutputsParams(json=fmt["schema"])
+
+
+def _constraint(body: MessagesRequest, tools: list[ToolSpec], choice: ToolChoice
+                ) -> tuple[StructuredOutputsParams, str] | None:
+    """A forced tool call or output_config.format; with tools that the model may call, a
+    format would keep it from calling them: refused, as are both at once."""
+    output_format = _output_format(body.output_config)
+    if output_format is not None:
+        if choice.mode != "none":
+            raise bad_request('output_config.format cannot be combined with tools unless '
+                              'tool_choice is {"type": "none"}.', "output_config.format")
+        return output_format, "output_config.format"
+    if choice.forced and body.max_tokens > 0:
+        # The tools section of the prompt (vendors.template) asks for hermes-style calls.
+        return forced_call_grammar(tools, choice, TOOL_CALL_FORMAT), "tool_choice"
+    return None
+
+
+def _cost_headers(request_id: str, cost: Cost | None, thinking_ignored: bool) -> dict[str, str]:
     headers = {"request-id": request_id}
+    if thinking_ignored:
+        headers[THINKING_HEADER] = THINKING_IGNORED
     if cost is not None:
         headers[COST_HEADER] = f"{cost.with_cache:.8f}"
         headers[UNCACHED_COST_HEADER] = f"{cost.without_cache:.8f}"
@@ -79,8 +131,12 @@ class MessagesExchange(Exchange):
     waits_for_first_output = True
 
     def __init__(self, ledger: CacheLedger, prompt: PreparedPrompt, params: SamplingParams,
-                 namespace: CacheNamespace, stream: bool, prewarm: bool) -> None:
+                 namespace: CacheNamespace, stream: bool, prewarm: bool,
+                 tool_parser: str | None = None, thinking_ignored: bool = False) -> None:
         super().__init__(new_message_id(), stream)
+        self.tool_parser = tool_parser  # the format tool calls are read in; None: no tools
+        self.thinking_ignored = thinking_ignored
+        self._blocks = _StreamBlocks(tool_parser)
         self.request_id = new_request_id()  # the `request-id` header, as the vendor sends
         self.ledger = ledger
         self.prompt = prompt
@@ -107,18 +163,26 @@ class MessagesExchange(Exchange):
         usage = self.account.usage
         assert usage is not None  # known from the first output
         if self.prewarm:
-            text, (stop_reason, stop_sequence), output_tokens = "", ("max_tokens", None), 0
-        else:
-            text, (stop_reason, stop_sequence) = sample.text, stop_fields(sample)
-            output_tokens = len(sample.token_ids)
-        return message_body(self.response_id, self.prompt.model, text, stop_reason,
-                            stop_sequence, usage, output_tokens)
+            return message_body(self.response_id, self.prompt.model, [], "max_tokens", None,
+                                usage, 0)
+        stop_reason, stop_sequence = stop_fields(sample)
+        content: list[dict[str, Any]] = [{"type": "text", "text": sample.text}]
+        if self.tool_parser is not None:
+            parsed = parse_tool_calls(sample.text, self.tool_parser)
+            if parsed.calls:
+                content = [{"type": "text", "text": parsed.content}] + [
+                    {"type": "tool_use", "id": _tool_use_id(), "name": call.name,
+                     "input": json.loads(call.arguments)} for call in parsed.calls]
+                stop_reason = "tool_use" if stop_reason == "end_turn" else stop_reason
+        content = [block for block in content if block["type"] != "text" or block["text"]]
+        return message_body(self.response_id, self.prompt.model, content, stop_reason,
+                            stop_sequence, usage, len(sample.token_ids))
 
     def response_headers(self) -> dict[str, str]:
-        return _cost_headers(self.request_id, self.account.cost)
+        return _cost_headers(self.request_id, self.account.cost, self.thinking_ignored)
 
     def stream_headers(self) -> dict[str, str]:
-        return _cost_headers(self.request_id, self.account.prompt_cost())
+        return _cost_headers(self.request_id, self.account.prompt_cost(), self.thinking_ignored)
 
     def opening_events(self) -> list[bytes]:
         assert self.account.usage is not None  # the first output has been seen
@@ -132,20 +196,27 @@ class MessagesExchange(Exchange):
                 _event({"type": "ping"})]
 
     def delta_event(self, delta: Delta) -> bytes | None:
-        if not delta.text:
-            return None
-        return _event({"type": "content_block_delta", "index": 0,
-                       "delta": {"type": "text_delta", "text": delta.text}})
+        if self.tool_parser is None:
+            if not delta.text:
+                return None
+            return _event({"type": "content_block_delta", "index": 0,
+                           "delta": {"type": "text_delta", "text": delta.text}})
+        sample = delta.sample
+        final = sample.finish_reason is not None
+        visible = sample.text if final else sample.text[: delta.text_offset + len(delta.text)]
+        return b"".join(self._blocks.events(visible, final)) or None
 
     def closing_events(self, finals: list[RequestOutput]) -> list[bytes]:
         sample = finals[0].outputs[0]
         stop_reason, stop_sequence = stop_fields(sample)
+        if self._blocks.called and stop_reason == "end_turn":
+            stop_reason = "tool_use"
         # Cumulative, and the same input and cache figures as message_start: the SDK
         # overwrites its accumulated usage with any non-null value here.
         usage = {key: self._start_usage[key] for key in
                  ("input_tokens", "cache_creation_input_tokens", "cache_read_input_tokens")}
         usage["output_tokens"] = len(sample.token_ids)
-        return [_event({"type": "content_block_stop", "index": 0}),
+        return [_event({"type": "content_block_stop", "index": self._blocks.index}),
                 _event({"type": "message_delta",
                         "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
                         "usage": usage}),
@@ -153,6 +224,48 @@ class MessagesExchange(Exchange):
 
     def error_events(self, error: APIError) -> list[bytes]:
         return [_event(error_body(error))]  # {"type": "error", "error": {...}}
+
+
+def _tool_use_id() -> str:
+    return f"toolu_{uuid.uuid4().hex[:24]}"
+
+
+class _StreamBlocks:
+    """A streamed message's content blocks when tools are on: text block 0 is open from the
+    start; each tool call, once complete, is a tool_use block of its own (start, one
+    input_json_delta with the whole input, stop), and text after it opens a new text block.
+    `index` is the open block, which the closing events stop."""
+
+    def __init__(self, tool_parser: str | None) -> None:
+        self._parser = ToolCallStream(tool_parser) if tool_parser else None
+        self.index = 0
+        self._text_open = True
+        self.called = False
+
+    def events(self, visible: str, final: bool) -> list[bytes]:
+        assert self._parser is not None
+        update = self._parser.feed(visible, final)
+        out = []
+        if update.content:
+            if not self._text_open:
+                self.index += 1
+                self._text_open = True
+                out.append(_event({"type": "content_block_start", "index": self.index,
+                                   "content_block": {"type": "text", "text": ""}}))
+            out.append(_event({"type": "content_block_delta", "index": self.index,
+                               "delta": {"type": "text_delta", "text": update.content}}))
+        for call in update.calls:  # whole calls: the parser emits each once it is complete
+            out.append(_event({"type": "content_block_stop", "index": self.index}))
+            self.index += 1
+            self._text_open = False
+            self.called = True
+            block = {"type": "tool_use", "id": _tool_use_id(), "name": call.name, "input": {}}
+            out += [_event({"type": "content_block_start", "index": self.index,
+                            "content_block": block}),
+                    _event({"type": "content_block_delta", "index": self.index,
+                            "delta": {"type": "input_json_delta",
+                                      "partial_json": call.arguments}})]
+        return out
 
 
 def _event(data: dict[str, Any]) -> bytes:

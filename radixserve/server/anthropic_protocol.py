@@ -55,7 +55,8 @@ class CountTokensRequest(StrictModel):
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
     cache_control: CacheControlParam | None = None
-    # Accepted for compatibility; this server has no extended thinking.
+    # Accepted (agent clients send it by default) and not acted on: this model has no
+    # reasoning mode; a response to a request that enables it carries THINKING_HEADER.
     thinking: dict[str, Any] | None = None
 
 
@@ -70,6 +71,10 @@ class MessagesRequest(CountTokensRequest):
     metadata: dict[str, Any] | None = None
     stream: bool | None = None
     service_tier: str | None = None
+    # {"format": {"type": "json_schema", "schema": ...}} is enforced (what
+    # `client.messages.parse(output_format=Model)` sends); "effort" is a reasoning knob, a
+    # no-op here like `thinking`.
+    output_config: dict[str, Any] | None = None
 
     def sampling_options(self) -> dict[str, Any]:
         """SamplingParams arguments for the fields set (`validation.SamplingFields`)."""
@@ -126,10 +131,9 @@ def stop_fields(sample: CompletionOutput) -> tuple[str, str | None]:
 
 
 def message_body(
-    message_id: str, model: str, text: str, stop_reason: str, stop_sequence: str | None,
-    usage: CacheUsage, output_tokens: int,
+    message_id: str, model: str, content: list[dict[str, Any]], stop_reason: str,
+    stop_sequence: str | None, usage: CacheUsage, output_tokens: int,
 ) -> dict[str, Any]:
-    content = [{"type": "text", "text": text}] if text else []
     return {
         "id": message_id, "type": "message", "role": "assistant", "model": model,
         "content": content, "stop_reason": stop_reason, "stop_sequence": stop_sequence,

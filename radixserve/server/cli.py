@@ -27,6 +27,7 @@ from radixserve.config import (
     EngineConfig,
 )
 from radixserve.server.settings import CACHE_ACCOUNTING_MODES, DEFAULT_MODEL_NAME, ServerSettings
+from radixserve.server.tool_parsers import PARSERS
 
 if TYPE_CHECKING:  # imported when serving only, so that `radixserve --help` stays fast
     from fastapi import FastAPI
@@ -152,6 +153,9 @@ def _http_flags(http: argparse._ArgumentGroup) -> None:
     http.add_argument("--shutdown-timeout", type=float, default=30.0,
                       help="seconds in-flight requests get to finish after SIGTERM before "
                            "they are aborted")
+    http.add_argument("--tool-call-parser", choices=PARSERS, default=None,
+                      help="how tool calls are read from the model's output; default: chosen "
+                           "from the chat template (hermes where it has no tool format)")
 
 
 def _accounting_flags(caching: argparse._ArgumentGroup) -> None:

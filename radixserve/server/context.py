@@ -15,6 +15,7 @@ from radixserve.server.errors import model_not_found
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.serving import EngineService, Lifecycle
 from radixserve.server.settings import ServerSettings
+from radixserve.server.tool_parsers import family_for_template
 
 
 @dataclass
@@ -48,6 +49,16 @@ class ServerContext:
     @property
     def vocab_size(self) -> int:
         return self.engine.model_config.vocab_size
+
+    @functools.cached_property
+    def tool_call_parser(self) -> str:
+        """The tool-call format this model writes: the --tool-call-parser setting, else the
+        one its chat template asks for; templates without tools get the tools in a system
+        section that asks for hermes (`prompts.tools_section`)."""
+        template = self.tokenizer.chat_template or ""
+        if self.settings.tool_call_parser is not None:
+            return self.settings.tool_call_parser
+        return family_for_template(template) if "tools" in template else "hermes"
 
     def check_model(self, name: str | None) -> str:
         """The served name a request addresses; 404 for any other."""

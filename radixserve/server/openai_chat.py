@@ -3,19 +3,36 @@
 from __future__ import annotations
 
 import asyncio
+import uuid
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
 
 from radixserve.outputs import CompletionOutput
+from radixserve.sampling_params import StructuredOutputsParams
 from radixserve.server.auth import cache_namespace
+from radixserve.server.constraints import response_format_constraint
 from radixserve.server.context import ServerContext
+from radixserve.server.errors import bad_request
 from radixserve.server.exchange import Delta, handle
 from radixserve.server.openai_exchange import OpenAIExchange, stream_flags
-from radixserve.server.openai_protocol import ChatCompletionRequest, chat_logprobs, finish_reason
+from radixserve.server.openai_protocol import (
+    ChatCompletionRequest,
+    chat_logprobs,
+    finish_reason,
+    refuse_unsupported,
+)
 from radixserve.server.prompts import render_chat
 from radixserve.server.serving import Job
+from radixserve.server.tool_parsers import ToolCall, ToolCallStream, parse_tool_calls
+from radixserve.server.tool_use import (
+    ToolChoice,
+    ToolSpec,
+    forced_call_grammar,
+    openai_tool_choice,
+    openai_tools,
+)
 from radixserve.server.transport import parse_body
 from radixserve.server.validation import checked_sampling_params
 
@@ -24,15 +41,52 @@ async def create_chat_completion(request: Request) -> Response:
     return await handle(request, prepare_chat)
 
 
+def _constraint(body: ChatCompletionRequest, tools: list[ToolSpec], choice: ToolChoice,
+                family: str) -> tuple[StructuredOutputsParams, str] | None:
+    """What constrains the output: a forced tool call, response_format or an extension field;
+    400 when two would (a forced call leaves no room for another format)."""
+    found = []
+    if choice.forced:
+        found.append((forced_call_grammar(tools, choice, family), "tool_choice"))
+    response_format = response_format_constraint(body.response_format)
+    if response_format is not None:
+        found.append((response_format, "response_format"))
+    extension = body.extension_constraint()
+    if extension is not None:
+        found.append(extension)
+    if len(found) > 1:
+        raise bad_request(f"{found[0][1]} and {found[1][1]} both constrain the output; set "
+                          "one.", found[1][1])
+    if found and found[0][1] != "tool_choice" and choice.mode == "auto":
+        # The grammar would keep the model from calling a tool while the client expects it
+        # may: say so rather than quietly never call.
+        raise bad_request(f"{found[0][1]} cannot be combined with tools unless tool_choice is "
+                          '"none" (a constrained answer cannot also be a tool call).',
+                          found[0][1])
+    return found[0] if found else None
+
+
 async def prepare_chat(ctx: ServerContext, request: Request, raw: bytes) -> ChatExchange:
     body = parse_body(raw, ChatCompletionRequest)
     model = ctx.check_model(body.model)
+    refuse_unsupported(body)
     flags = stream_flags(body)
+    tools = openai_tools(body.tools)
+    choice = openai_tool_choice(body.tool_choice, tools, body.parallel_tool_calls)
+    family = ctx.tool_call_parser
+    structured = _constraint(body, tools, choice, family)
     prompt_ids = await asyncio.to_thread(render_chat, ctx.tokenizer, body.messages, body.tools)
     params = checked_sampling_params(ctx, body, prompt_ids,
-                                     body.max_completion_tokens or body.max_tokens, "messages")
+                                     body.max_completion_tokens or body.max_tokens, "messages",
+                                     structured)
     namespace = cache_namespace(ctx.settings, request.state.api_key, body.cache_salt)
-    return ChatExchange(ctx, model, flags, [Job(prompt_ids, params, namespace)])
+    parser = family if choice.mode != "none" else None
+    return ChatExchange(ctx, model, flags, [Job(prompt_ids, params, namespace)], parser)
+
+
+def _tool_call(call_id: str, call: ToolCall) -> dict[str, Any]:
+    return {"id": call_id, "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments}}
 
 
 class ChatExchange(OpenAIExchange):
@@ -40,13 +94,54 @@ class ChatExchange(OpenAIExchange):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
+    def __init__(self, ctx: ServerContext, model: str, flags: tuple[bool, bool],
+                 jobs: list[Job], tool_parser: str | None = None) -> None:
+        super().__init__(ctx, model, flags, jobs)
+        self.tool_parser = tool_parser  # the family tool calls are read in; None: no tools
+        self._streams: dict[int, ToolCallStream] = {}  # per choice, when streaming with tools
+        self._call_ids: dict[tuple[int, int], str] = {}  # (choice, call) -> its id
+
+    def _call_id(self, sample: int, call: int) -> str:
+        return self._call_ids.setdefault((sample, call), f"call_{uuid.uuid4().hex[:24]}")
+
+    def _finish_reason(self, sample: CompletionOutput, called: bool) -> str | None:
+        reason = finish_reason(sample)
+        return "tool_calls" if called and reason == "stop" else reason
+
     def choice(self, job: int, sample: CompletionOutput) -> dict[str, Any]:
         logprobs = None
         if self.wants_logprobs(job):
             logprobs = chat_logprobs(sample.logprobs or [], sample.token_ids, self.ctx.token_text)
-        return {"index": sample.index,
-                "message": {"role": "assistant", "content": sample.text, "refusal": None},
-                "logprobs": logprobs, "finish_reason": finish_reason(sample)}
+        message: dict[str, Any] = {"role": "assistant", "content": sample.text, "refusal": None}
+        calls: list[ToolCall] = []
+        if self.tool_parser is not None:
+            parsed = parse_tool_calls(sample.text, self.tool_parser)
+            calls = parsed.calls
+            if calls:
+                message["content"] = parsed.content or None
+                message["tool_calls"] = [_tool_call(self._call_id(sample.index, i), call)
+                                         for i, call in enumerate(calls)]
+        return {"index": sample.index, "message": message, "logprobs": logprobs,
+                "finish_reason": self._finish_reason(sample, bool(calls))}
+
+    def _tool_delta(self, delta: Delta) -> tuple[dict[str, Any], bool]:
+        """The delta of a streamed choice with tools: content outside calls, call deltas (the
+        first of each with its id and name), and whether the choice has called a tool."""
+        assert self.tool_parser is not None
+        sample = delta.sample
+        stream = self._streams.setdefault(sample.index, ToolCallStream(self.tool_parser))
+        final = sample.finish_reason is not None
+        visible = sample.text if final else sample.text[: delta.text_offset + len(delta.text)]
+        update = stream.feed(visible, final)
+        body: dict[str, Any] = {"content": update.content} if update.content else {}
+        if update.calls:
+            body["tool_calls"] = [
+                {"index": d.index, "id": self._call_id(sample.index, d.index), "type": "function",
+                 "function": {"name": d.name, "arguments": d.arguments}}
+                if d.name is not None else {"index": d.index, "function": {"arguments": d.arguments}}
+                for d in update.calls]
+        called = any(key[0] == sample.index for key in self._call_ids)
+        return body, called
 
     def opening_events(self) -> list[bytes]:
         # The role first, one chunk per choice, before the engine has produced anything.
@@ -54,10 +149,24 @@ class ChatExchange(OpenAIExchange):
                              "logprobs": None, "finish_reason": None}])
                 for i in range(self.jobs[0].params.n)]
 
+    def delta_event(self, delta: Delta) -> bytes | None:
+        if self.tool_parser is None:
+            return super().delta_event(delta)
+        # Text held back as a possible call start, or a call's tokens before it closes: no
+        # chunk until there is something to send.
+        logprobs = self.wants_logprobs(delta.job) and delta.token_end > delta.token_start
+        choice = self.choice_delta(delta, logprobs)
+        if not (choice["delta"] or delta.finishing or logprobs):
+            return None
+        return self.chunk([choice])
+
     def choice_delta(self, delta: Delta, logprobs: bool) -> dict[str, Any]:
         sample, span = delta.sample, slice(delta.token_start, delta.token_end)
-        return {"index": sample.index,
-                "delta": {"content": delta.text} if delta.text else {},
+        body: dict[str, Any] = {"content": delta.text} if delta.text else {}
+        called = False
+        if self.tool_parser is not None:
+            body, called = self._tool_delta(delta)
+        return {"index": sample.index, "delta": body,
                 "logprobs": chat_logprobs((sample.logprobs or [])[span], sample.token_ids[span],
                                           self.ctx.token_text) if logprobs else None,
-                "finish_reason": finish_reason(sample) if delta.finishing else None}
+                "finish_reason": self._finish_reason(sample, called) if delta.finishing else None}

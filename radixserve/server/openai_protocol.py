@@ -8,30 +8,48 @@ every other field is either acted on or refused with a 400 naming it.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from pydantic import Field
 
-from radixserve.outputs import CompletionOutput
+from radixserve.outputs import CompletionOutput, TokenLogprob
+from radixserve.server.constraints import ConstraintFields
 from radixserve.server.errors import bad_request
 from radixserve.server.transport import StrictModel
 
 # Accepted without error, not acted on. prompt_cache_key only routes between OpenAI's
-# machines (we are one); the penalties, logit_bias and response_format are not implemented.
+# machines (we are one); the others describe the caller or OpenAI's storage and billing,
+# and change nothing in the output.
 IGNORED_FIELDS = (
     "prompt_cache_key", "prompt_cache_retention", "prompt_cache_options", "safety_identifier",
-    "user", "metadata", "store", "service_tier", "parallel_tool_calls", "tool_choice",
-    "response_format", "frequency_penalty", "presence_penalty", "logit_bias", "modalities",
-    "audio", "prediction", "reasoning_effort", "verbosity", "web_search_options", "functions",
-    "function_call",
+    "user", "metadata", "store", "service_tier",
 )
+# Documented by OpenAI and refused with a 400 naming the field when set (to anything but
+# the value that means "off"): this server cannot honour them.
+REFUSED_FIELDS = ("modalities", "audio", "prediction", "reasoning_effort", "verbosity",
+                  "web_search_options", "functions", "function_call")
+_OFF_VALUES: dict[str, Any] = {"modalities": ["text"]}
+
+
+def refuse_unsupported(body: StrictModel) -> None:
+    """400 naming the first of REFUSED_FIELDS that `body` sets (null or its off value aside)."""
+    extra = body.model_extra or {}
+    for name in REFUSED_FIELDS:
+        value = extra.get(name)
+        if value is not None and value != _OFF_VALUES.get(name):
+            raise bad_request(f"{name} is not supported by this server (a text model without "
+                              "audio, predictions, reasoning modes or web search; use tools "
+                              "instead of the legacy functions).", name)
 
 # More stop strings make every streamed chunk's hold-back check slower.
 MAX_STOP_SEQUENCES = 16
 # JSON has no infinity; a -inf log-probability is sent as this, as vLLM does.
 _MIN_LOGPROB = -9999.0
 TokenText = Callable[[int], str]  # a token id's text
+# A logit_bias key: int() alone would also take " 7", "1_000" and thousands of digits.
+_TOKEN_ID = re.compile(r"-?[0-9]{1,18}")
 
 
 class StreamOptions(StrictModel):
@@ -53,7 +71,7 @@ class ChatMessage(StrictModel):
     tool_call_id: str | None = None
 
 
-class GenerationRequest(StrictModel):
+class GenerationRequest(ConstraintFields):
     """Fields chat and completions share."""
 
     model: str | None = None  # None: the first served name
@@ -65,9 +83,9 @@ class GenerationRequest(StrictModel):
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    # Typed so a wrong type is still a 400, though not acted on.
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    # Ranges are SamplingParams.validate's; logit_bias keys are token ids written as strings.
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     prompt_cache_key: str | None = None
@@ -77,6 +95,7 @@ class GenerationRequest(StrictModel):
     cache_salt: str | None = Field(None, min_length=1)
     top_k: int | None = Field(None, ge=-1)
     min_tokens: int | None = Field(None, ge=0)
+    repetition_penalty: float | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
 
@@ -88,8 +107,21 @@ class GenerationRequest(StrictModel):
         options = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
                    "seed": self.seed, "stop": stop, "stop_token_ids": self.stop_token_ids,
                    "n": self.n, "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens,
-                   "logprobs": self.top_logprob_count()}
+                   "logprobs": self.top_logprob_count(), "logit_bias": self.token_bias(),
+                   "frequency_penalty": self.frequency_penalty,
+                   "presence_penalty": self.presence_penalty,
+                   "repetition_penalty": self.repetition_penalty}
         return {name: value for name, value in options.items() if value is not None}
+
+    def token_bias(self) -> dict[int, float] | None:
+        """logit_bias by token id (OpenAI's JSON has string keys); their range is checked later."""
+        if self.logit_bias is None:
+            return None
+        bad = [key for key in self.logit_bias if not _TOKEN_ID.fullmatch(key)]
+        if bad:
+            raise bad_request(f"logit_bias keys must be token ids (integers written as strings),"
+                              f" got {bad[0]!r}.", "logit_bias")
+        return {int(key): value for key, value in self.logit_bias.items()}
 
     def top_logprob_count(self) -> int | None:
         """Top log-probabilities wanted per token; None: no logprobs at all."""
@@ -106,6 +138,8 @@ class ChatCompletionRequest(GenerationRequest):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
 
     def top_logprob_count(self) -> int | None:
         if self.top_logprobs and not self.logprobs:
@@ -118,13 +152,27 @@ class ChatCompletionRequest(GenerationRequest):
 
 class CompletionRequest(GenerationRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
+    # 0 computes the prompt and generates nothing: with echo and logprobs it scores the prompt
+    # (lm-evaluation-harness's loglikelihood); without them the completion is just empty, as
+    # with vLLM.
+    max_tokens: int | None = Field(None, ge=0)
     echo: bool | None = None
+    # With echo, the prompt's tokens get log-probabilities too (the first has none: null).
     logprobs: int | None = Field(None, ge=0, le=20)
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1, le=128)
 
+    def sampling_options(self) -> dict[str, Any]:
+        options = super().sampling_options()
+        if self.echo and self.logprobs is not None:
+            options["prompt_logprobs"] = self.logprobs
+        return options
+
     def top_logprob_count(self) -> int | None:
         return self.logprobs
+
+    def field_name(self, option: str) -> str:
+        return "logprobs" if option == "prompt_logprobs" else super().field_name(option)
 
 
 # ----- response bodies -----
@@ -170,10 +218,12 @@ def chat_logprobs(
 
 
 def completion_logprobs(
-    entries: list[tuple[float, dict[int, float]]], token_ids: list[int], token_text: TokenText,
+    entries: Sequence[TokenLogprob | None], token_ids: list[int], token_text: TokenText,
     text_offset: int,
 ) -> dict[str, Any]:
-    """`choices[i].logprobs` of legacy completions: parallel lists, offsets into the text."""
+    """`choices[i].logprobs` of legacy completions: parallel lists, offsets into the text. An
+    entry of None (an echoed prompt's first token, which has no context) is null in both
+    token_logprobs and top_logprobs, as OpenAI sends it."""
     tokens, offsets = [], []
     for tid in token_ids[: len(entries)]:
         offsets.append(text_offset)
@@ -181,8 +231,14 @@ def completion_logprobs(
         text_offset += len(tokens[-1])
     return {
         "tokens": tokens,
-        "token_logprobs": [_logprob(lp) for lp, _ in entries],
-        "top_logprobs": [{token_text(t): _logprob(v) for t, v in top.items()}
-                         for _, top in entries],
+        "token_logprobs": [None if e is None else _logprob(e[0]) for e in entries],
+        "top_logprobs": [None if e is None else {token_text(t): _logprob(v)
+                                                 for t, v in e[1].items()}
+                         for e in entries],
         "text_offset": offsets,
     }
+
+
+def join_logprobs(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
+    """Two `completion_logprobs` objects as one (an echoed prompt's, then the output's)."""
+    return {key: first[key] + then[key] for key in first}

@@ -21,7 +21,7 @@ TOOLS_PREAMBLE = (
 )
 TOOLS_POSTAMBLE = (
     "\n</tools>\nTo call a tool, reply with one line per call: "
-    '<tool_call>{"arguments": {...}, "name": "..."}</tool_call>'
+    '<tool_call>{"name": "...", "arguments": {...}}</tool_call>'
 )
 _TEXT_PARTS = ("text", "input_text")
 
@@ -64,8 +64,11 @@ def _tool_calls_text(calls: list[dict[str, Any]]) -> str:
                 arguments = json.loads(arguments)
             except json.JSONDecodeError:
                 pass
-        lines.append(f"<tool_call>{_json({'name': function.get('name'), 'arguments': arguments})}"
-                     "</tool_call>")
+        # The name first, as the tools section asks and a forced call is generated; arguments
+        # with sorted keys, so that a turn's history renders the same every time.
+        call = json.dumps({"name": function.get("name")}, ensure_ascii=False)[:-1] + (
+            ', "arguments": ' + _json(arguments) + "}")
+        lines.append(f"<tool_call>{call}</tool_call>")
     return "\n".join(lines)
 
 

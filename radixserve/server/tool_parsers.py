@@ -198,7 +198,7 @@ class _JsonSplitter:
             if text[start] != "{":
                 self._switch_to_content(start)
                 return
-            if not final and "}" not in text[self._failed_at:]:
+            if not final and text.find("}", self._failed_at) < 0:
                 return
             try:
                 value, end = _DECODER.raw_decode(text, start)

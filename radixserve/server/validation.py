@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from radixserve.sampling_params import SamplingParamError, SamplingParams
+from radixserve.sampling_params import SamplingParamError, SamplingParams, StructuredOutputsParams
 from radixserve.server.context import ServerContext
 from radixserve.server.errors import APIError, bad_request
 
@@ -28,10 +28,13 @@ class SamplingFields(Protocol):
         ...
 
 
-def build_sampling_params(body: SamplingFields, max_tokens: int, vocab_size: int) -> SamplingParams:
-    """The request's SamplingParams; 400 naming the body's field when one is out of range."""
+def build_sampling_params(body: SamplingFields, max_tokens: int, vocab_size: int,
+                          structured: StructuredOutputsParams | None = None) -> SamplingParams:
+    """The request's SamplingParams (with `structured`, its output constraint); 400 naming the
+    body's field when one is out of range."""
     try:
-        params = SamplingParams(max_tokens=max_tokens, **body.sampling_options())
+        params = SamplingParams(max_tokens=max_tokens, structured_outputs=structured,
+                                **body.sampling_options())
         params.validate(vocab_size)
     except SamplingParamError as exc:
         name = body.field_name(exc.field)
@@ -88,12 +91,19 @@ def check_prompt(ctx: ServerContext, prompt_ids: list[int], params: SamplingPara
 
 def checked_sampling_params(
     ctx: ServerContext, body: SamplingFields, prompt_ids: list[int], requested: int | None,
-    param: str,
+    param: str, structured: tuple[StructuredOutputsParams, str] | None = None,
 ) -> SamplingParams:
     """Validates a request with one prompt: its budget (`requested` max_tokens, or None for
-    all the room left), its sampling parameters and its prompt. `param` names the prompt in
-    errors."""
+    all the room left), its sampling parameters, its output constraint (`structured`: the
+    constraint and the body's field that asked for it, named when it cannot be compiled) and
+    its prompt. `param` names the prompt in errors."""
     max_tokens = completion_budget(ctx, requested, len(prompt_ids), param)
-    params = build_sampling_params(body, max_tokens, ctx.vocab_size)
+    spec, field = structured if structured else (None, "")
+    params = build_sampling_params(body, max_tokens, ctx.vocab_size, spec)
+    if spec is not None:
+        try:
+            ctx.engine.grammars.check(spec)
+        except ValueError as exc:
+            raise bad_request(f"{field}: {exc}", field) from None
     check_prompt(ctx, prompt_ids, params, param)
     return params

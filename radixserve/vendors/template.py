@@ -13,7 +13,9 @@ from typing import Any, Protocol
 
 from radixserve.vendors.render import RenderedRequest
 
-TOOLS_HEADER = "# Tools\nYou may call the following tools (JSON schemas):"
+# Asks for the hermes format, which the server reads tool calls in (and forces them in).
+TOOLS_HEADER = ('# Tools\nYou may call the following tools (JSON schemas). To call one, reply '
+                'with <tool_call>{"name": ..., "arguments": {...}}</tool_call>:')
 PIECE_SEPARATOR = "\n\n"
 
 

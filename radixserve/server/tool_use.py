@@ -1,0 +1,182 @@
+"""Tools as both APIs declare them, normalised: the tool list, the choice (none, auto, required,
+or one named tool) and whether calls may be parallel; and, where the choice forces a call, the
+grammar that makes the model write one valid call in its chat family's format.
+
+A forced call is constrained decoding, not a retry: every token of the output is masked so the
+text is `<tool_call>{"name": <one of the tools>, "arguments": <valid for that tool's
+schema>}</tool_call>` (or the family's own shape), which `tool_parsers` then reads back.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from radixserve.sampling_params import StructuredOutputsParams
+from radixserve.server.errors import bad_request
+
+ChoiceMode = Literal["none", "auto", "required"]
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    name: str
+    parameters: dict[str, Any]  # the arguments' JSON schema
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    mode: ChoiceMode
+    name: str | None = None  # the one tool to call (mode "required")
+    parallel: bool = True  # several calls in one turn allowed
+
+    @property
+    def forced(self) -> bool:
+        return self.mode == "required"
+
+
+def _schema(value: Any, param: str) -> dict[str, Any]:
+    if value is None:
+        return {"type": "object"}
+    if not isinstance(value, dict):
+        raise bad_request(f"{param} must be a JSON schema object.", param)
+    return value
+
+
+def _check_names(tools: list[ToolSpec], param: str) -> list[ToolSpec]:
+    seen: set[str] = set()
+    for i, tool in enumerate(tools):
+        if tool.name in seen:
+            raise bad_request(f"tool names must be unique; {tool.name!r} appears twice.",
+                              f"{param}.{i}")
+        seen.add(tool.name)
+    return tools
+
+
+def openai_tools(tools: list[dict[str, Any]] | None) -> list[ToolSpec]:
+    """OpenAI's `tools`: [{"type": "function", "function": {"name", "parameters", ...}}]."""
+    specs = []
+    for i, tool in enumerate(tools or []):
+        function = tool.get("function")
+        if tool.get("type") != "function" or not isinstance(function, dict):
+            raise bad_request('only tools of type "function" (with a "function" object) are '
+                              "supported.", f"tools.{i}")
+        name = function.get("name")
+        if not isinstance(name, str) or not name:
+            raise bad_request("a function needs a name.", f"tools.{i}.function.name")
+        specs.append(ToolSpec(name, _schema(function.get("parameters"),
+                                            f"tools.{i}.function.parameters")))
+    return _check_names(specs, "tools")
+
+
+def openai_tool_choice(choice: str | dict[str, Any] | None, tools: list[ToolSpec],
+                       parallel: bool | None) -> ToolChoice:
+    """OpenAI's `tool_choice`: "none", "auto" (the default with tools), "required", or
+    {"type": "function", "function": {"name": ...}}; `parallel_tool_calls` defaults to true."""
+    allow_parallel = True if parallel is None else parallel
+    if choice is None:
+        return ToolChoice("auto" if tools else "none", parallel=allow_parallel)
+    if not tools:
+        raise bad_request("tool_choice is only allowed when tools are specified.", "tool_choice")
+    if isinstance(choice, str):
+        if choice not in ("none", "auto", "required"):
+            raise bad_request('tool_choice must be "none", "auto", "required" or a named '
+                              "function.", "tool_choice")
+        return ToolChoice(choice, parallel=allow_parallel)  # type: ignore[arg-type]
+    function = choice.get("function")
+    name = function.get("name") if isinstance(function, dict) else None
+    if choice.get("type") != "function" or not isinstance(name, str):
+        raise bad_request('a named tool_choice is {"type": "function", "function": {"name": '
+                          "...}}.", "tool_choice")
+    return ToolChoice("required", _known(name, tools, "tool_choice"), parallel=False)
+
+
+def anthropic_tools(tools: list[dict[str, Any]] | None) -> list[ToolSpec]:
+    """Anthropic's `tools`: [{"name", "description", "input_schema"}]. Server tools (a `type`
+    such as web_search_20250305) run on the vendor's machines: refused."""
+    specs = []
+    for i, tool in enumerate(tools or []):
+        kind = tool.get("type")
+        if kind not in (None, "custom"):
+            raise bad_request(f"tool type {kind!r} is not supported: only client tools "
+                              "(name, description, input_schema).", f"tools.{i}")
+        name = tool.get("name")
+        if not isinstance(name, str) or not name:
+            raise bad_request("a tool needs a name.", f"tools.{i}.name")
+        specs.append(ToolSpec(name, _schema(tool.get("input_schema"),
+                                            f"tools.{i}.input_schema")))
+    return _check_names(specs, "tools")
+
+
+def anthropic_tool_choice(choice: dict[str, Any] | None, tools: list[ToolSpec]) -> ToolChoice:
+    """Anthropic's `tool_choice`: {"type": "auto" | "any" | "tool" | "none"}, "tool" with a
+    "name", each with an optional disable_parallel_tool_use."""
+    if choice is None:
+        return ToolChoice("auto" if tools else "none")
+    kind = choice.get("type")
+    parallel = not choice.get("disable_parallel_tool_use", False)
+    if kind == "none":
+        return ToolChoice("none")
+    if not tools:
+        raise bad_request("tool_choice needs tools.", "tool_choice")
+    if kind == "auto":
+        return ToolChoice("auto", parallel=parallel)
+    if kind == "any":
+        return ToolChoice("required", parallel=parallel)
+    if kind == "tool":
+        name = choice.get("name")
+        if not isinstance(name, str):
+            raise bad_request('tool_choice of type "tool" needs a name.', "tool_choice.name")
+        return ToolChoice("required", _known(name, tools, "tool_choice.name"), parallel=False)
+    raise bad_request('tool_choice.type must be "auto", "any", "tool" or "none".',
+                      "tool_choice.type")
+
+
+def _known(name: str, tools: list[ToolSpec], param: str) -> str:
+    if name not in {t.name for t in tools}:
+        raise bad_request(f"tool_choice names {name!r}, which is not among the tools.", param)
+    return name
+
+
+# Compact JSON: a small model left free whitespace inside a call spends tokens on it.
+_COMPACT = {"x-guidance": {"whitespace_flexible": False}}
+
+
+def _closed(schema: dict[str, Any]) -> dict[str, Any]:
+    """The arguments' schema with no properties beyond those declared, unless it says
+    otherwise (as OpenAI's strict function calling): left open, a small model copies schema
+    keywords into the arguments and runs on."""
+    if "properties" in schema and "additionalProperties" not in schema:
+        return {**schema, "additionalProperties": False}
+    return schema
+
+
+def _call_schema(tool: ToolSpec, arguments_key: str) -> dict[str, Any]:
+    # Properties in this order are generated in this order: the name first, so a stream can
+    # announce the call before its arguments.
+    return {"type": "object",
+            "properties": {"name": {"const": tool.name}, arguments_key: _closed(tool.parameters)},
+            "required": ["name", arguments_key], "additionalProperties": False}
+
+
+def forced_call_grammar(tools: list[ToolSpec], choice: ToolChoice,
+                        family: str) -> StructuredOutputsParams:
+    """The grammar of a turn that is tool calls only: one call (or, with `parallel`, one or
+    more) to the chosen tool or any of `tools`, in `family`'s format (`tool_parsers.PARSERS`)."""
+    assert choice.forced
+    candidates = [t for t in tools if choice.name in (None, t.name)]
+    key = "parameters" if family == "llama3_json" else "arguments"
+    schemas = [_call_schema(t, key) for t in candidates]
+    call = {**_COMPACT, **(schemas[0] if len(schemas) == 1 else {"anyOf": schemas})}
+    call_json = "%json " + json.dumps(call, sort_keys=False)
+    if family == "smollm2":
+        items = 'call ("," call)*' if choice.parallel else "call"
+        lark = f'start: "<tool_call>[" {items} "]</tool_call>"\ncall: {call_json}\n'
+    elif family == "llama3_json":
+        calls = 'call (";" call)*' if choice.parallel else "call"
+        lark = f"start: {calls}\ncall: {call_json}\n"
+    else:
+        calls = 'call ("\\n" call)*' if choice.parallel else "call"
+        lark = f'start: {calls}\ncall: "<tool_call>" {call_json} "</tool_call>"\n'
+    return StructuredOutputsParams(grammar=lark)
