@@ -107,6 +107,20 @@ def test_seed_reproduces_and_differs(llm):
     assert _tokens(a) != _tokens(c)
 
 
+def test_a_seeded_sample_does_not_depend_on_its_batch(llm):
+    # A seed owns its generator: alone, or in a batch beside unseeded and other seeded
+    # requests, it draws the same tokens.
+    prompt = {"prompt_token_ids": _chat_ids(llm, "Tell me a story.")}
+    seeded = SamplingParams(max_tokens=12, temperature=1.0, seed=77)
+    alone = _tokens(llm.generate(prompt, seeded))
+    others = [{"prompt_token_ids": _chat_ids(llm, f"Name a city, {i}.")} for i in range(3)]
+    batch = llm.generate([others[0], prompt, others[1], others[2]],
+                         [SamplingParams(max_tokens=12, temperature=1.0),
+                          seeded, SamplingParams(max_tokens=5, temperature=1.0, seed=1),
+                          SamplingParams(max_tokens=20, temperature=0.7)])
+    assert _tokens(batch)[1] == alone[0]
+
+
 def test_top_k_one_equals_greedy(llm, reference):
     prompts, one_by_one = reference
     params = SamplingParams(max_tokens=12, temperature=0.8, top_k=1, ignore_eos=True, seed=3)

@@ -67,8 +67,9 @@ def test_sampling_follows_the_mask_and_the_grammar_outlasts_min_tokens() -> None
     mask[1] = 1 << 3  # token 35 only
     rows = [SampleRow(SamplingParams(temperature=1.0), None, allowed=mask),
             SampleRow(SamplingParams(temperature=0), None, banned={35}, allowed=mask)]
-    result = sample(logits, rows)
-    assert result.token_ids == [35, 35]  # row 2: min_tokens bans the grammar's only token
+    for mask_op in (None, token_bitmask_op()):  # PyTorch's path, then the kernel's
+        result = sample(logits, rows, mask_op)
+        assert result.token_ids == [35, 35]  # row 2: min_tokens bans the grammar's only token
 
 
 def test_json_schema_output_is_valid_and_stops(llm: LLM) -> None:

@@ -22,6 +22,7 @@ from radixserve.engine.request import Request
 from radixserve.engine.sampler import SampleResult, SampleRow, sample
 from radixserve.engine.scheduler import SchedulerOutput
 from radixserve.engine.structured_output import fill_masks
+from radixserve.kernels import token_bitmask_op
 from radixserve.layers.attention import SequenceSpan, StepAttention, StepLayout
 from radixserve.model.llama import ForwardBatch, LlamaModel
 from radixserve.outputs import TokenLogprob
@@ -67,6 +68,9 @@ class ModelRunner:
         # Draws the samples of requests without a seed of their own (EngineConfig.seed).
         self.generator = generator
         self._masks: ThreadPoolExecutor | None = None  # started by the first constrained step
+        # Logits are sampled on the CPU: the C++ mask op where the kernels are built (always
+        # on CPU engines, which use them for the model).
+        self._mask_op = token_bitmask_op() if device.type == "cpu" else None
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
@@ -141,7 +145,7 @@ class ModelRunner:
                           len(r.prompt_token_ids), allowed.get(id(r)))
                 for r in wants_logits]
         with torch.inference_mode():
-            samples = sample(logits.cpu(), rows)
+            samples = sample(logits.cpu(), rows, self._mask_op)
         return StepResult(wants_logits, samples, prompt_logprobs)
 
     @torch.inference_mode()
