@@ -85,6 +85,7 @@ async def prepare_message(ctx: ServerContext, request: Request, raw: bytes) -> M
     return MessagesExchange(ledger, prompt, params, namespace, bool(body.stream),
                             prewarm=body.max_tokens == 0,
                             tool_parser=TOOL_CALL_FORMAT if choice.mode != "none" else None,
+                            max_calls=None if choice.parallel else 1,
                             thinking_ignored=(body.thinking or {}).get("type") == "enabled"
                             or "effort" in (body.output_config or {}))
 
@@ -132,11 +133,14 @@ class MessagesExchange(Exchange):
 
     def __init__(self, ledger: CacheLedger, prompt: PreparedPrompt, params: SamplingParams,
                  namespace: CacheNamespace, stream: bool, prewarm: bool,
-                 tool_parser: str | None = None, thinking_ignored: bool = False) -> None:
+                 tool_parser: str | None = None, thinking_ignored: bool = False,
+                 max_calls: int | None = None) -> None:
         super().__init__(new_message_id(), stream)
         self.tool_parser = tool_parser  # the format tool calls are read in; None: no tools
         self.thinking_ignored = thinking_ignored
-        self._blocks = _StreamBlocks(tool_parser)
+        # disable_parallel_tool_use: the first call only (a forced call's grammar allows one).
+        self.max_calls = max_calls
+        self._blocks = _StreamBlocks(tool_parser, max_calls)
         self.request_id = new_request_id()  # the `request-id` header, as the vendor sends
         self.ledger = ledger
         self.prompt = prompt
@@ -172,7 +176,8 @@ class MessagesExchange(Exchange):
             if parsed.calls:
                 content = [{"type": "text", "text": parsed.content}] + [
                     {"type": "tool_use", "id": _tool_use_id(), "name": call.name,
-                     "input": json.loads(call.arguments)} for call in parsed.calls]
+                     "input": json.loads(call.arguments)}
+                    for call in parsed.calls[: self.max_calls]]
                 stop_reason = "tool_use" if stop_reason == "end_turn" else stop_reason
         content = [block for block in content if block["type"] != "text" or block["text"]]
         return message_body(self.response_id, self.prompt.model, content, stop_reason,
@@ -236,8 +241,9 @@ class _StreamBlocks:
     input_json_delta with the whole input, stop), and text after it opens a new text block.
     `index` is the open block, which the closing events stop."""
 
-    def __init__(self, tool_parser: str | None) -> None:
+    def __init__(self, tool_parser: str | None, max_calls: int | None) -> None:
         self._parser = ToolCallStream(tool_parser) if tool_parser else None
+        self._max_calls = max_calls
         self.index = 0
         self._text_open = True
         self.called = False
@@ -254,7 +260,8 @@ class _StreamBlocks:
                                    "content_block": {"type": "text", "text": ""}}))
             out.append(_event({"type": "content_block_delta", "index": self.index,
                                "delta": {"type": "text_delta", "text": update.content}}))
-        for call in update.calls:  # whole calls: the parser emits each once it is complete
+        calls = [c for c in update.calls if self._max_calls is None or c.index < self._max_calls]
+        for call in calls:  # whole calls: the parser emits each once it is complete
             out.append(_event({"type": "content_block_stop", "index": self.index}))
             self.index += 1
             self._text_open = False

@@ -81,7 +81,8 @@ async def prepare_chat(ctx: ServerContext, request: Request, raw: bytes) -> Chat
                                      structured)
     namespace = cache_namespace(ctx.settings, request.state.api_key, body.cache_salt)
     parser = family if choice.mode != "none" else None
-    return ChatExchange(ctx, model, flags, [Job(prompt_ids, params, namespace)], parser)
+    return ChatExchange(ctx, model, flags, [Job(prompt_ids, params, namespace)], parser,
+                        None if choice.parallel else 1)
 
 
 def _tool_call(call_id: str, call: ToolCall) -> dict[str, Any]:
@@ -95,9 +96,13 @@ class ChatExchange(OpenAIExchange):
     chunk_object_name = "chat.completion.chunk"
 
     def __init__(self, ctx: ServerContext, model: str, flags: tuple[bool, bool],
-                 jobs: list[Job], tool_parser: str | None = None) -> None:
+                 jobs: list[Job], tool_parser: str | None = None,
+                 max_calls: int | None = None) -> None:
         super().__init__(ctx, model, flags, jobs)
         self.tool_parser = tool_parser  # the family tool calls are read in; None: no tools
+        # parallel_tool_calls: false. A forced call's grammar allows one; with "auto" a model
+        # may still write several, and only the first is returned (the contract is one).
+        self.max_calls = max_calls
         self._streams: dict[int, ToolCallStream] = {}  # per choice, when streaming with tools
         self._call_ids: dict[tuple[int, int], str] = {}  # (choice, call) -> its id
 
@@ -116,7 +121,7 @@ class ChatExchange(OpenAIExchange):
         calls: list[ToolCall] = []
         if self.tool_parser is not None:
             parsed = parse_tool_calls(sample.text, self.tool_parser)
-            calls = parsed.calls
+            calls = parsed.calls[: self.max_calls]
             if calls:
                 message["content"] = parsed.content or None
                 message["tool_calls"] = [_tool_call(self._call_id(sample.index, i), call)
@@ -134,12 +139,13 @@ class ChatExchange(OpenAIExchange):
         visible = sample.text if final else sample.text[: delta.text_offset + len(delta.text)]
         update = stream.feed(visible, final)
         body: dict[str, Any] = {"content": update.content} if update.content else {}
-        if update.calls:
+        calls = [d for d in update.calls if self.max_calls is None or d.index < self.max_calls]
+        if calls:
             body["tool_calls"] = [
                 {"index": d.index, "id": self._call_id(sample.index, d.index), "type": "function",
                  "function": {"name": d.name, "arguments": d.arguments}}
                 if d.name is not None else {"index": d.index, "function": {"arguments": d.arguments}}
-                for d in update.calls]
+                for d in calls]
         called = any(key[0] == sample.index for key in self._call_ids)
         return body, called
 
