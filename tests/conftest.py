@@ -1,13 +1,18 @@
-"""Shared fixtures: the default model's path (fetched once), and small-engine settings."""
+"""Shared fixtures: the default model's path (fetched once), the HF oracle, small-engine
+settings, and a real server with an `openai` client for modules that need no special flags
+(a module that defines its own `server` or `client` uses that instead)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
+import openai
 import pytest
 import torch
 
 from radixserve.model.default_model import default_model_path
+from radixserve.server.launcher import ServerProcess, start_server
 
 # Two cores: more threads than cores makes torch's OpenMP workers spin against each other.
 torch.set_num_threads(2)
@@ -54,3 +59,22 @@ def cpu_flags() -> set[str]:
             if line.startswith("flags"):
                 return set(line.split(":", 1)[1].split())
     return set()
+
+
+@pytest.fixture(scope="module")
+def server(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """`radixserve serve` on the default model with a small pool, one per module; it must stop
+    cleanly and log no serious error."""
+    proc = start_server(["--kv-cache-tokens", "8192", "--num-threads", "2", "--debug-invariants",
+                         "--no-access-log"],
+                        tmp_path_factory.mktemp("server") / "server.log")
+    yield proc
+    assert proc.stop() == 0, proc.log()
+    assert not proc.serious_errors(), proc.log()
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0,
+                       timeout=300) as c:
+        yield c

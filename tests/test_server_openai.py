@@ -36,13 +36,6 @@ def server(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 
 @pytest.fixture(scope="module")
-def client(server: ServerProcess) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0,
-                       timeout=300) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
 def tokenizer(model_path: Path) -> ChatTokenizer:
     return load_tokenizer(model_path)
 

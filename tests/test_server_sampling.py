@@ -5,7 +5,6 @@ is a 400 naming its field. The formulas themselves are checked in test_logits_pr
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import openai
@@ -13,31 +12,12 @@ import pytest
 
 from radixserve.model.loader import load_tokenizer
 from radixserve.model.tokenizer import ChatTokenizer
-from radixserve.server.launcher import ServerProcess, start_server
 
 MODEL = "SmolLM2-135M-Instruct"
 # Greedy, the model repeats this prompt's sentence forever: few distinct tokens.
 REPETITIVE = "The cat sat on the mat. The cat sat on the mat."
 # Greedy, the model answers this in a few tokens and ends its turn.
 SHORT_ANSWER = [{"role": "user", "content": "What is 2+2? Answer with a number only."}]
-
-
-@pytest.fixture(scope="module")
-def server(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    proc = start_server(
-        ["--kv-cache-tokens", "8192", "--num-threads", "2", "--debug-invariants",
-         "--no-access-log"],
-        tmp_path_factory.mktemp("server") / "server.log")
-    yield proc
-    assert proc.stop() == 0, proc.log()
-    assert not proc.serious_errors(), proc.log()
-
-
-@pytest.fixture(scope="module")
-def client(server: ServerProcess) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0,
-                       timeout=300) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ import json
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from enum import Enum
-from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -19,7 +18,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from radixserve.server.anthropic_messages import THINKING_HEADER
-from radixserve.server.launcher import ServerProcess, start_server
+from radixserve.server.launcher import ServerProcess
 
 MODEL = "SmolLM2-135M-Instruct"
 WEATHER = {"type": "function", "function": {
@@ -32,23 +31,6 @@ ADD = {"type": "function", "function": {
         "a": {"type": "integer", "minimum": -1000, "maximum": 1000},
         "b": {"type": "integer", "minimum": -1000, "maximum": 1000}}, "required": ["a", "b"]}}}
 ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
-
-
-@pytest.fixture(scope="module")
-def server(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    proc = start_server(["--kv-cache-tokens", "8192", "--num-threads", "2", "--debug-invariants",
-                         "--no-access-log"],
-                        tmp_path_factory.mktemp("server") / "server.log")
-    yield proc
-    assert proc.stop() == 0, proc.log()
-    assert not proc.serious_errors(), proc.log()
-
-
-@pytest.fixture(scope="module")
-def client(server: ServerProcess) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0,
-                       timeout=300) as c:
-        yield c
 
 
 # ----- response_format -----

@@ -44,6 +44,14 @@ def _schema(value: Any, param: str) -> dict[str, Any]:
     return value
 
 
+def _spec(definition: dict[str, Any], schema_key: str, path: str) -> ToolSpec:
+    """A tool from the object that holds its name and its arguments' schema (`schema_key`)."""
+    name = definition.get("name")
+    if not isinstance(name, str) or not name:
+        raise bad_request("a tool needs a name.", f"{path}.name")
+    return ToolSpec(name, _schema(definition.get(schema_key), f"{path}.{schema_key}"))
+
+
 def _check_names(tools: list[ToolSpec], param: str) -> list[ToolSpec]:
     seen: set[str] = set()
     for i, tool in enumerate(tools):
@@ -62,11 +70,7 @@ def openai_tools(tools: list[dict[str, Any]] | None) -> list[ToolSpec]:
         if tool.get("type") != "function" or not isinstance(function, dict):
             raise bad_request('only tools of type "function" (with a "function" object) are '
                               "supported.", f"tools.{i}")
-        name = function.get("name")
-        if not isinstance(name, str) or not name:
-            raise bad_request("a function needs a name.", f"tools.{i}.function.name")
-        specs.append(ToolSpec(name, _schema(function.get("parameters"),
-                                            f"tools.{i}.function.parameters")))
+        specs.append(_spec(function, "parameters", f"tools.{i}.function"))
     return _check_names(specs, "tools")
 
 
@@ -101,11 +105,7 @@ def anthropic_tools(tools: list[dict[str, Any]] | None) -> list[ToolSpec]:
         if kind not in (None, "custom"):
             raise bad_request(f"tool type {kind!r} is not supported: only client tools "
                               "(name, description, input_schema).", f"tools.{i}")
-        name = tool.get("name")
-        if not isinstance(name, str) or not name:
-            raise bad_request("a tool needs a name.", f"tools.{i}.name")
-        specs.append(ToolSpec(name, _schema(tool.get("input_schema"),
-                                            f"tools.{i}.input_schema")))
+        specs.append(_spec(tool, "input_schema", f"tools.{i}"))
     return _check_names(specs, "tools")
 
 
