@@ -100,9 +100,14 @@ at::Tensor gguf_pack(const at::Tensor& raw, int64_t ggml_type,
                         " is not a row");
   }
   const int64_t panels = (n + kRows - 1) / kRows;
-  at::Tensor out = at::zeros({panels, blocks * f.panel_bytes}, raw.options());
+  // Not zeroed as a whole: the 16 rows of a full panel write every byte of it (gguf_blocks.h's
+  // layouts leave no gap), and zeroing a 1.25 GB model first took as long as the packing.
+  // Only a last, partial panel has rows past N, which must be zero blocks (d = 0).
+  at::Tensor out = at::empty({panels, blocks * f.panel_bytes}, raw.options());
   const uint8_t* src = raw.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
+  if (n % kRows != 0) std::memset(dst + (panels - 1) * blocks * f.panel_bytes, 0,
+                                  blocks * f.panel_bytes);
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       uint8_t* panel = dst + p * blocks * f.panel_bytes;

@@ -48,9 +48,12 @@ class ForwardBatch:
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies of the rotary embedding, with the model's scaling applied."""
+    """Inverse frequencies of the rotary embedding, with the model's scaling applied; on the
+    CPU whatever the default device (on the meta device, where a model is built before its
+    weights load, arange goes through torch._refs, which import torch._dynamo: 1.6 s)."""
     dim = config.head_dim
-    inv = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    steps = torch.arange(0, dim, 2, dtype=torch.float64, device="cpu")
+    inv = 1.0 / (config.rope_theta ** (steps / dim))
     scaling = config.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind == "linear":
@@ -176,7 +179,11 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.config = config
         self.linear_method = linear = linear or DenseLinear()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # With a weight given, nn.Embedding skips its random init, whose normal_ on the meta
+        # device imports torch._dynamo (1.6 s of every start); the loader sets the weight.
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size,
+                                                             config.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(config, linear, ops)
                                     for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
