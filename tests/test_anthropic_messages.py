@@ -1,6 +1,7 @@
 """The Anthropic Messages API through the official `anthropic` SDK against a real server process
 in engine accounting (the truth): breakpoints write then read, usage arithmetic streamed and
-not, TTL segments, count_tokens, pre-warming, stop sequences, auth, errors, cost headers.
+not, TTL segments, count_tokens, pre-warming, stop sequences, auth, errors, cost headers; and
+the content blocks of a stream with tool calls.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import pytest
 from radixserve.bench.textgen import WordBank
 from radixserve.model.loader import load_tokenizer
 from radixserve.model.tokenizer import ChatTokenizer
+from radixserve.server.anthropic_messages import _StreamBlocks
 from radixserve.server.launcher import ServerProcess, read_metrics, start_server
 from radixserve.vendors import chat_prompt, render_prompt, render_request
 
@@ -135,6 +137,43 @@ def test_sse_event_sequence(server: ServerProcess) -> None:
     final = datas[-2]
     assert final["delta"]["stop_reason"] in ("end_turn", "max_tokens")
     assert final["usage"]["cache_read_input_tokens"] == usage["cache_read_input_tokens"]
+
+
+def _block_events(text: str, incremental: bool) -> list[dict[str, Any]]:
+    """The events of `text` streamed a character at a time through a message's blocks, with
+    the closing content_block_stop."""
+    blocks = _StreamBlocks("hermes", None, incremental)
+    frames = b"".join(b"".join(blocks.events(text[:end], end == len(text)))
+                      for end in range(1, len(text) + 1))
+    events = [json.loads(frame.split(b"data: ", 1)[1]) for frame in frames.split(b"\n\n")
+              if frame]
+    return [*events, {"type": "content_block_stop", "index": blocks.index}]
+
+
+@pytest.mark.parametrize("incremental", [False, True])
+def test_stream_blocks_with_tool_calls(incremental: bool) -> None:
+    text = ('Sure. <tool_call>{"name":"f","arguments":{"a":"}"}}</tool_call> Then '
+            '<tool_call>{"name":"g","arguments":{}}</tool_call> Done.')
+    events = _block_events(text, incremental)
+    # Blocks open in order, each after the previous one stops; every block stops.
+    opened = [e["index"] for e in events if e["type"] == "content_block_start"]
+    stopped = [e["index"] for e in events if e["type"] == "content_block_stop"]
+    assert opened == [1, 2, 3, 4] and stopped == [0, 1, 2, 3, 4]
+    blocks: dict[int, list[Any]] = {0: [{"type": "text"}]}
+    for e in events:
+        if e["type"] == "content_block_start":
+            blocks[e["index"]] = [e["content_block"]]
+        elif e["type"] == "content_block_delta":
+            blocks[e["index"]].append(e["delta"])
+    text_of = {i: "".join(d.get("text", "") for d in b[1:]) for i, b in blocks.items()}
+    assert [b[0]["type"] for b in blocks.values()] == ["text", "tool_use", "text", "tool_use",
+                                                      "text"]
+    # The content of the parse, "Sure.  Then  Done.", split where the calls were.
+    assert (text_of[0], text_of[2], text_of[4]) == ("Sure.", "  Then", "  Done.")
+    inputs = {i: [d["partial_json"] for d in b[1:]] for i, b in blocks.items()
+              if b[0]["type"] == "tool_use"}
+    assert {i: "".join(parts) for i, parts in inputs.items()} == {1: '{"a":"}"}', 3: "{}"}
+    assert len(inputs[1]) == (len('{"a":"}"}') if incremental else 1)
 
 
 def test_ttl_segments_split_the_writes(client: anthropic.Anthropic, bank: WordBank) -> None:

@@ -160,19 +160,22 @@ def test_constraint_errors_are_400s_naming_the_field(client: openai.OpenAI) -> N
 # ----- tool calls (OpenAI) -----
 
 
-def _reassembled(stream: Any) -> tuple[list[tuple[str, str, str]], str | None, str]:
+def _reassembled(stream: Any) -> tuple[list[tuple[str, str, str]], str | None, str, int]:
+    """The calls (id, name, arguments) a client rebuilds from a chat stream, the finish
+    reason, the content, and how many call deltas there were."""
     calls: dict[int, list[str]] = {}
-    reason, content = None, ""
+    reason, content, deltas = None, "", 0
     for chunk in stream:
         for choice in chunk.choices:
             reason = choice.finish_reason or reason
             content += choice.delta.content or ""
             for d in choice.delta.tool_calls or []:
+                deltas += 1
                 entry = calls.setdefault(d.index, ["", "", ""])
                 entry[0] = d.id or entry[0]
                 entry[1] += (d.function.name or "") if d.function else ""
                 entry[2] += (d.function.arguments or "") if d.function else ""
-    return [tuple(c) for _, c in sorted(calls.items())], reason, content  # type: ignore[misc]
+    return [tuple(c) for _, c in sorted(calls.items())], reason, content, deltas  # type: ignore[misc]
 
 
 @pytest.mark.parametrize("choice, name", [
@@ -199,9 +202,12 @@ def test_forced_tool_calls_are_valid_and_stream_the_same(client: openai.OpenAI, 
             assert isinstance(value, str if kind == "string" else int)
             if kind == "integer":
                 assert -1000 <= value <= 1000
-        streamed, reason, content = _reassembled(
+        streamed, reason, content, deltas = _reassembled(
             client.chat.completions.create(**args, stream=True))  # type: ignore[call-overload]
         assert reason == "tool_calls" and content == ""
+        # A forced call streams its arguments as they are generated, after a first delta with
+        # the id and name.
+        assert deltas > 1
         assert [(n, json.loads(a)) for _, n, a in streamed] == [(call.name, arguments)]
         assert streamed[0][0].startswith("call_")
 
@@ -281,8 +287,14 @@ def test_anthropic_forced_tool_use(claude: anthropic.Anthropic, choice: dict[str
     assert m.stop_reason == "tool_use" and len(uses) >= 1
     assert uses[0].name == "get_weather" and set(uses[0].input) == {"city"}  # type: ignore[union-attr]
     assert uses[0].id.startswith("toolu_")  # type: ignore[union-attr]
+    input_deltas: dict[int, int] = {}  # tool_use block -> its input_json_delta events
     with claude.messages.stream(**args) as stream:  # type: ignore[arg-type]
+        for event in stream:
+            if event.type == "content_block_delta" and event.delta.type == "input_json_delta":
+                input_deltas[event.index] = input_deltas.get(event.index, 0) + 1
         final = stream.get_final_message()
+    # The input streams as it is generated: more than one piece for a call.
+    assert input_deltas and max(input_deltas.values()) >= 2
     streamed = [b for b in final.content if b.type == "tool_use"]
     assert final.stop_reason == "tool_use"  # sampled (the vendor's API has no seed): same shape
     assert [(b.name, set(b.input)) for b in streamed] == [("get_weather", {"city"})] * len(streamed)  # type: ignore[union-attr,arg-type]

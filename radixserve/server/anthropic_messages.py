@@ -86,6 +86,7 @@ async def prepare_message(ctx: ServerContext, request: Request, raw: bytes) -> M
                             prewarm=body.max_tokens == 0,
                             tool_parser=TOOL_CALL_FORMAT if choice.mode != "none" else None,
                             max_calls=None if choice.parallel else 1,
+                            incremental_calls=choice.forced,
                             thinking_ignored=(body.thinking or {}).get("type") == "enabled"
                             or "effort" in (body.output_config or {}))
 
@@ -134,13 +135,15 @@ class MessagesExchange(Exchange):
     def __init__(self, ledger: CacheLedger, prompt: PreparedPrompt, params: SamplingParams,
                  namespace: CacheNamespace, stream: bool, prewarm: bool,
                  tool_parser: str | None = None, thinking_ignored: bool = False,
-                 max_calls: int | None = None) -> None:
+                 max_calls: int | None = None, incremental_calls: bool = False) -> None:
         super().__init__(new_message_id(), stream)
         self.tool_parser = tool_parser  # the format tool calls are read in; None: no tools
         self.thinking_ignored = thinking_ignored
         # disable_parallel_tool_use: the first call only (a forced call's grammar allows one).
         self.max_calls = max_calls
-        self._blocks = _StreamBlocks(tool_parser, max_calls)
+        # A call's input streams as it is generated only when a grammar forces well-formed
+        # calls (a call announced early can then be cut short, never malformed).
+        self._blocks = _StreamBlocks(tool_parser, max_calls, incremental_calls)
         self.request_id = new_request_id()  # the `request-id` header, as the vendor sends
         self.ledger = ledger
         self.prompt = prompt
@@ -237,12 +240,14 @@ def _tool_use_id() -> str:
 
 class _StreamBlocks:
     """A streamed message's content blocks when tools are on: text block 0 is open from the
-    start; each tool call, once complete, is a tool_use block of its own (start, one
-    input_json_delta with the whole input, stop), and text after it opens a new text block.
-    `index` is the open block, which the closing events stop."""
+    start; each tool call is a tool_use block of its own, opened by the call's first delta (its
+    name) and fed its input as input_json_delta events (one with the whole input, unless the
+    stream is incremental); text after a call opens a new text block. Opening a block stops
+    the open one; `index` is the open block, which the closing events stop."""
 
-    def __init__(self, tool_parser: str | None, max_calls: int | None) -> None:
-        self._parser = ToolCallStream(tool_parser) if tool_parser else None
+    def __init__(self, tool_parser: str | None, max_calls: int | None,
+                 incremental: bool = False) -> None:
+        self._parser = ToolCallStream(tool_parser, incremental) if tool_parser else None
         self._max_calls = max_calls
         self.index = 0
         self._text_open = True
@@ -251,28 +256,35 @@ class _StreamBlocks:
     def events(self, visible: str, final: bool) -> list[bytes]:
         assert self._parser is not None
         update = self._parser.feed(visible, final)
-        out = []
+        calls = [c for c in update.calls if self._max_calls is None or c.index < self._max_calls]
+        # A delta without a name adds to the call whose block is open: it comes before any
+        # text or call that follows that call.
+        out = [self._input(call.arguments) for call in calls if call.name is None]
         if update.content:
             if not self._text_open:
-                self.index += 1
-                self._text_open = True
-                out.append(_event({"type": "content_block_start", "index": self.index,
-                                   "content_block": {"type": "text", "text": ""}}))
+                out += self._open({"type": "text", "text": ""})
             out.append(_event({"type": "content_block_delta", "index": self.index,
                                "delta": {"type": "text_delta", "text": update.content}}))
-        calls = [c for c in update.calls if self._max_calls is None or c.index < self._max_calls]
-        for call in calls:  # whole calls: the parser emits each once it is complete
-            out.append(_event({"type": "content_block_stop", "index": self.index}))
-            self.index += 1
-            self._text_open = False
-            self.called = True
-            block = {"type": "tool_use", "id": _tool_use_id(), "name": call.name, "input": {}}
-            out += [_event({"type": "content_block_start", "index": self.index,
-                            "content_block": block}),
-                    _event({"type": "content_block_delta", "index": self.index,
-                            "delta": {"type": "input_json_delta",
-                                      "partial_json": call.arguments}})]
+        for call in calls:
+            if call.name is not None:
+                self.called = True
+                out += self._open({"type": "tool_use", "id": _tool_use_id(), "name": call.name,
+                                   "input": {}})
+                if call.arguments:
+                    out.append(self._input(call.arguments))
         return out
+
+    def _open(self, block: dict[str, Any]) -> list[bytes]:
+        self.index += 1
+        self._text_open = block["type"] == "text"
+        return [_event({"type": "content_block_stop", "index": self.index - 1}),
+                _event({"type": "content_block_start", "index": self.index,
+                        "content_block": block})]
+
+    def _input(self, partial_json: str) -> bytes:
+        assert not self._text_open, "input goes to the open tool_use block"
+        return _event({"type": "content_block_delta", "index": self.index,
+                       "delta": {"type": "input_json_delta", "partial_json": partial_json}})
 
 
 def _event(data: dict[str, Any]) -> bytes:

@@ -82,7 +82,7 @@ async def prepare_chat(ctx: ServerContext, request: Request, raw: bytes) -> Chat
     namespace = cache_namespace(ctx.settings, request.state.api_key, body.cache_salt)
     parser = family if choice.mode != "none" else None
     return ChatExchange(ctx, model, flags, [Job(prompt_ids, params, namespace)], parser,
-                        None if choice.parallel else 1)
+                        None if choice.parallel else 1, incremental_calls=choice.forced)
 
 
 def _tool_call(call_id: str, call: ToolCall) -> dict[str, Any]:
@@ -97,12 +97,15 @@ class ChatExchange(OpenAIExchange):
 
     def __init__(self, ctx: ServerContext, model: str, flags: tuple[bool, bool],
                  jobs: list[Job], tool_parser: str | None = None,
-                 max_calls: int | None = None) -> None:
+                 max_calls: int | None = None, incremental_calls: bool = False) -> None:
         super().__init__(ctx, model, flags, jobs)
         self.tool_parser = tool_parser  # the family tool calls are read in; None: no tools
         # parallel_tool_calls: false. A forced call's grammar allows one; with "auto" a model
         # may still write several, and only the first is returned (the contract is one).
         self.max_calls = max_calls
+        # Stream call arguments as they are generated: only when a grammar forces well-formed
+        # calls, so that a call announced early cannot turn out malformed (only cut short).
+        self.incremental_calls = incremental_calls
         self._streams: dict[int, ToolCallStream] = {}  # per choice, when streaming with tools
         self._call_ids: dict[tuple[int, int], str] = {}  # (choice, call) -> its id
 
@@ -131,10 +134,14 @@ class ChatExchange(OpenAIExchange):
 
     def _tool_delta(self, delta: Delta) -> tuple[dict[str, Any], bool]:
         """The delta of a streamed choice with tools: content outside calls, call deltas (the
-        first of each with its id and name), and whether the choice has called a tool."""
+        first of each with its id and name, later ones adding to its arguments), and whether
+        the choice has called a tool."""
         assert self.tool_parser is not None
         sample = delta.sample
-        stream = self._streams.setdefault(sample.index, ToolCallStream(self.tool_parser))
+        stream = self._streams.get(sample.index)
+        if stream is None:
+            stream = ToolCallStream(self.tool_parser, self.incremental_calls)
+            self._streams[sample.index] = stream
         final = sample.finish_reason is not None
         visible = sample.text if final else sample.text[: delta.text_offset + len(delta.text)]
         update = stream.feed(visible, final)
