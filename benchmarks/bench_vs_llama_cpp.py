@@ -196,6 +196,15 @@ def radixserve_server(args: argparse.Namespace, model: Path, context: int) -> Sy
     return System(RADIXSERVE, command)
 
 
+def startup_round(system: System, args: argparse.Namespace, log: Path) -> dict[str, Any]:
+    """Server start to healthy, and nothing else (--startup-only)."""
+    start = time.perf_counter()
+    with RunningServer(system, log, args.startup_timeout) as server:
+        assert server.process is not None
+        return {"server_ready_s": time.perf_counter() - start,
+                "server_rss_gb": psutil.Process(server.process.pid).memory_info().rss / 1e9}
+
+
 def serve_round(system: System, args: argparse.Namespace, bank: WordBank, round_index: int,
                 log: Path) -> dict[str, Any]:
     start = time.perf_counter()
@@ -238,6 +247,14 @@ def run_model(args: argparse.Namespace, model: Path, bank: WordBank,
     for index in range(args.rounds):
         row: dict[str, dict[str, Any]] = {LLAMA_CPP: {}, RADIXSERVE: {}}
         step = f"{model.name} round {index + 1}/{args.rounds}"
+        if args.startup_only:
+            for system in (llama_server(args, model, context),
+                           radixserve_server(args, model, context)):
+                print(f"{step}: {system.name} server start", flush=True)
+                row[system.name] |= startup_round(system, args,
+                                                  log_dir / f"{system.name}-server.log")
+            rounds.append(row)
+            continue
         print(f"{step}: llama-bench", flush=True)
         row[LLAMA_CPP] |= llama_bench(args, model)
         print(f"{step}: radixserve LLM", flush=True)
@@ -313,6 +330,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--question-tokens", type=int, default=32, help="each user's own question")
     p.add_argument("--output-tokens", type=int, default=64, help="output tokens per request")
     p.add_argument("--skip-server", action="store_true", help="only llama-bench and LLM()")
+    p.add_argument("--startup-only", action="store_true",
+                   help="only each server's start to healthy (same context as a full run)")
     p.add_argument("--startup-timeout", type=float, default=600.0,
                    help="seconds for a server to become healthy")
     p.add_argument("--seed", type=int, default=0, help="seed of the server prompts")
