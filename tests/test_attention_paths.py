@@ -88,6 +88,13 @@ class _Planned:
         self.planner = GatherPlanner(2, 400, torch.device("cpu"), min_copy_run)
 
 
+def test_a_fresh_pool_zeroes_the_padding_slot_only():
+    # Gathers pad with slot 0 and mask it: its values get weight 0, and 0 * NaN would not be 0.
+    pool = KVPool(2, 64, 1, 2, 4, torch.float32, "cpu")
+    for layer in pool.layers:
+        assert not layer.k[:, 0].any() and not layer.v[:, 0].any()
+
+
 def test_gather_plan_reads_the_same_rows_as_slot_by_slot():
     rng = random.Random(0)
     tables = [

@@ -50,6 +50,9 @@ def reference(llm):
 
 def test_batched_equals_one_at_a_time(llm, reference):
     prompts, one_by_one = reference
+    for layer in llm.engine.pool.layers:  # unwritten slots must never be read (pool not zeroed)
+        layer.k.fill_(float("nan"))
+        layer.v.fill_(float("nan"))
     assert _tokens(llm.generate(prompts, GREEDY)) == one_by_one
     _assert_idle(llm)
 
@@ -66,6 +69,12 @@ def test_torch_attention_path_matches_one_at_a_time(model_path, monkeypatch):
     one_by_one = [_tokens(llm.generate(p, GREEDY))[0] for p in prompts]
     use_torch_attention(monkeypatch, llm)
     assert llm.engine.runner.attention.name == "decode torch, prefill sdpa"
+    # The pool is not zeroed at allocation: as if its memory held NaNs, every slot is NaN;
+    # only slots written before they are read (and the padding's slot 0, which the first
+    # request writes) may reach the output.
+    for layer in llm.engine.pool.layers:
+        layer.k.fill_(float("nan"))
+        layer.v.fill_(float("nan"))
     assert _tokens(llm.generate(prompts, GREEDY)) == one_by_one
     _assert_idle(llm)
 
