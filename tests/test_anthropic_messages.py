@@ -21,6 +21,7 @@ from radixserve.model.loader import load_tokenizer
 from radixserve.model.tokenizer import ChatTokenizer
 from radixserve.server.anthropic_messages import _StreamBlocks
 from radixserve.server.launcher import ServerProcess, read_metrics, start_server
+from radixserve.server.tool_use import CallReading
 from radixserve.vendors import chat_prompt, render_prompt, render_request
 
 MODEL = "claude-sonnet-4-6"  # an alias of the served model (1,024-token profile)
@@ -142,7 +143,7 @@ def test_sse_event_sequence(server: ServerProcess) -> None:
 def _block_events(text: str, incremental: bool) -> list[dict[str, Any]]:
     """The events of `text` streamed a character at a time through a message's blocks, with
     the closing content_block_stop."""
-    blocks = _StreamBlocks("hermes", None, incremental)
+    blocks = _StreamBlocks(CallReading("hermes", None, incremental, lambda call: True))
     frames = b"".join(b"".join(blocks.events(text[:end], end == len(text)))
                       for end in range(1, len(text) + 1))
     events = [json.loads(frame.split(b"data: ", 1)[1]) for frame in frames.split(b"\n\n")

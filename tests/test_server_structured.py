@@ -142,6 +142,8 @@ def test_constraint_errors_are_400s_naming_the_field(client: openai.OpenAI) -> N
          "tool_choice"),
         ({"tools": [WEATHER], "response_format": {"type": "json_object"}}, "response_format"),
         ({"tools": [{"type": "code_interpreter"}]}, "tools.0"),
+        ({"tools": [{"type": "function", "function": {**WEATHER["function"], "strict": "yes"}}]},
+         "tools.0.function.strict"),
         ({"extra_body": {"audio": {"voice": "alloy"}}}, "audio"),
         ({"extra_body": {"functions": [{"name": "f"}]}}, "functions"),
     ]

@@ -15,6 +15,8 @@ from radixserve import LLM
 from radixserve.engine.sampler import SampleRow, allowed_tokens, sample
 from radixserve.kernels import token_bitmask_op
 from radixserve.sampling_params import SamplingParams, StructuredOutputsParams
+from radixserve.server.tool_parsers import ToolCall
+from radixserve.server.tool_use import ToolSpec, call_check
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 12},
@@ -121,3 +123,16 @@ def test_bad_constraints_are_refused_before_running(llm: LLM) -> None:
         with pytest.raises(ValueError, match=words):
             llm.engine.add_request("hi", SamplingParams(structured_outputs=spec))
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_free_calls_count_when_the_tool_exists_and_a_strict_schema_holds(llm: LLM) -> None:
+    schema = {"type": "object", "properties": {"city": {"type": "string"}},
+              "required": ["city"]}
+    tools = [ToolSpec("weather", schema, strict=True), ToolSpec("note", schema)]
+    accept = call_check(tools, llm.engine.grammars)
+    assert accept(ToolCall("weather", '{"city": "Paris"}'))  # the model's own spacing is fine
+    assert not accept(ToolCall("weather", '{"city": 7}'))  # wrong type
+    assert not accept(ToolCall("weather", '{"city": "Paris", "when": "now"}'))  # undeclared
+    assert not accept(ToolCall("weather", "{}"))  # required property missing
+    assert accept(ToolCall("note", '{"city": 7, "extra": true}'))  # not strict: any object
+    assert not accept(ToolCall("forecast", '{"city": "Paris"}'))  # no such tool

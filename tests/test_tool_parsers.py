@@ -464,3 +464,18 @@ def test_incremental_malformed_call_keeps_its_index() -> None:
                                                         ToolCall("g", "{}")])
     assert parse_tool_calls(text, "hermes") == ParsedOutput(
         '<tool_call>{"name":"f","arguments":{"a":1}} oops</tool_call> Then', [ToolCall("g", "{}")])
+
+
+def test_calls_the_check_refuses_stay_content_parsed_and_streamed() -> None:
+    text = ('A <tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call> B '
+            '<tool_call>{"name": "g", "arguments": {}}</tool_call>')
+    only_f = lambda call: call.name == "f"  # noqa: E731
+    parsed = parse_tool_calls(text, "hermes", only_f)
+    assert [c.name for c in parsed.calls] == ["f"]
+    assert parsed.content == 'A  B <tool_call>{"name": "g", "arguments": {}}</tool_call>'
+    stream = ToolCallStream("hermes", accept=only_f)
+    updates = [stream.feed(text[:end], end == len(text)) for end in range(1, len(text) + 1)]
+    assert "".join(u.content for u in updates) == parsed.content
+    assert [d.name for u in updates for d in u.calls] == ["f"]
+    llama = parse_tool_calls('{"name": "g", "parameters": {}}', "llama3_json", only_f)
+    assert llama.calls == [] and llama.content == '{"name": "g", "parameters": {}}'

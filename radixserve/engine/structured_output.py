@@ -76,6 +76,10 @@ class GrammarMatcher:
         """Follows a sampled token; False when the grammar does not allow it."""
         return bool(self._matcher.consume_token(token))
 
+    def accepts_whole(self, tokens: list[int]) -> bool:
+        """Whether `tokens` are a complete output of the grammar (the matcher follows them)."""
+        return bool(self._matcher.consume_tokens(tokens)) and bool(self._matcher.is_accepting())
+
     @property
     def finished(self) -> bool:
         """The output is complete: the grammar allows no more tokens (not even optional ones)."""
@@ -135,6 +139,12 @@ class GrammarCompiler:
         """Raises ValueError saying why `spec` cannot be enforced; compiles it (and caches the
         result) when it can."""
         self._template(spec)
+
+    def matches(self, spec: StructuredOutputsParams, text: str) -> bool:
+        """Whether `text` is a complete output of `spec` (a tool call's arguments against its
+        strict schema, say)."""
+        tokens = self._tokenizer.encode(text, add_special_tokens=False)
+        return self.matcher(spec).accepts_whole(tokens)
 
     def matcher(self, spec: StructuredOutputsParams) -> GrammarMatcher:
         """A fresh matcher at the grammar's start."""

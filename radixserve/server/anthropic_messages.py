@@ -32,12 +32,13 @@ from radixserve.server.context import ServerContext
 from radixserve.server.errors import APIError, bad_request
 from radixserve.server.exchange import Delta, Exchange, handle
 from radixserve.server.serving import Job
-from radixserve.server.tool_parsers import ToolCallStream, parse_tool_calls
 from radixserve.server.tool_use import (
+    CallReading,
     ToolChoice,
     ToolSpec,
     anthropic_tool_choice,
     anthropic_tools,
+    call_reading,
     forced_call_grammar,
 )
 from radixserve.server.transport import sse
@@ -84,9 +85,8 @@ async def prepare_message(ctx: ServerContext, request: Request, raw: bytes) -> M
     ledger: CacheLedger = request.app.state.cache_ledger
     return MessagesExchange(ledger, prompt, params, namespace, bool(body.stream),
                             prewarm=body.max_tokens == 0,
-                            tool_parser=TOOL_CALL_FORMAT if choice.mode != "none" else None,
-                            max_calls=None if choice.parallel else 1,
-                            incremental_calls=choice.forced,
+                            calls=call_reading(tools, choice, TOOL_CALL_FORMAT,
+                                               ctx.engine.grammars),
                             thinking_ignored=(body.thinking or {}).get("type") == "enabled"
                             or "effort" in (body.output_config or {}))
 
@@ -134,16 +134,11 @@ class MessagesExchange(Exchange):
 
     def __init__(self, ledger: CacheLedger, prompt: PreparedPrompt, params: SamplingParams,
                  namespace: CacheNamespace, stream: bool, prewarm: bool,
-                 tool_parser: str | None = None, thinking_ignored: bool = False,
-                 max_calls: int | None = None, incremental_calls: bool = False) -> None:
+                 calls: CallReading | None = None, thinking_ignored: bool = False) -> None:
         super().__init__(new_message_id(), stream)
-        self.tool_parser = tool_parser  # the format tool calls are read in; None: no tools
+        self.calls = calls  # how tool calls are read; None: the text is all content
         self.thinking_ignored = thinking_ignored
-        # disable_parallel_tool_use: the first call only (a forced call's grammar allows one).
-        self.max_calls = max_calls
-        # A call's input streams as it is generated only when a grammar forces well-formed
-        # calls (a call announced early can then be cut short, never malformed).
-        self._blocks = _StreamBlocks(tool_parser, max_calls, incremental_calls)
+        self._blocks = _StreamBlocks(calls)
         self.request_id = new_request_id()  # the `request-id` header, as the vendor sends
         self.ledger = ledger
         self.prompt = prompt
@@ -174,13 +169,12 @@ class MessagesExchange(Exchange):
                                 usage, 0)
         stop_reason, stop_sequence = stop_fields(sample)
         content: list[dict[str, Any]] = [{"type": "text", "text": sample.text}]
-        if self.tool_parser is not None:
-            parsed = parse_tool_calls(sample.text, self.tool_parser)
+        if self.calls is not None:
+            parsed = self.calls.parse(sample.text)
             if parsed.calls:
                 content = [{"type": "text", "text": parsed.content}] + [
                     {"type": "tool_use", "id": _tool_use_id(), "name": call.name,
-                     "input": json.loads(call.arguments)}
-                    for call in parsed.calls[: self.max_calls]]
+                     "input": json.loads(call.arguments)} for call in parsed.calls]
                 stop_reason = "tool_use" if stop_reason == "end_turn" else stop_reason
         content = [block for block in content if block["type"] != "text" or block["text"]]
         return message_body(self.response_id, self.prompt.model, content, stop_reason,
@@ -204,7 +198,7 @@ class MessagesExchange(Exchange):
                 _event({"type": "ping"})]
 
     def delta_event(self, delta: Delta) -> bytes | None:
-        if self.tool_parser is None:
+        if self.calls is None:
             if not delta.text:
                 return None
             return _event({"type": "content_block_delta", "index": 0,
@@ -245,18 +239,17 @@ class _StreamBlocks:
     stream is incremental); text after a call opens a new text block. Opening a block stops
     the open one; `index` is the open block, which the closing events stop."""
 
-    def __init__(self, tool_parser: str | None, max_calls: int | None,
-                 incremental: bool = False) -> None:
-        self._parser = ToolCallStream(tool_parser, incremental) if tool_parser else None
-        self._max_calls = max_calls
+    def __init__(self, calls: CallReading | None) -> None:
+        self._calls = calls
+        self._parser = calls.stream() if calls is not None else None
         self.index = 0
         self._text_open = True
         self.called = False
 
     def events(self, visible: str, final: bool) -> list[bytes]:
-        assert self._parser is not None
+        assert self._parser is not None and self._calls is not None
         update = self._parser.feed(visible, final)
-        calls = [c for c in update.calls if self._max_calls is None or c.index < self._max_calls]
+        calls = [c for c in update.calls if self._calls.keeps(c.index)]
         # A delta without a name adds to the call whose block is open: it comes before any
         # text or call that follows that call.
         out = [self._input(call.arguments) for call in calls if call.name is None]

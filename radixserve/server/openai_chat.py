@@ -25,10 +25,12 @@ from radixserve.server.openai_protocol import (
 )
 from radixserve.server.prompts import render_chat
 from radixserve.server.serving import Job
-from radixserve.server.tool_parsers import ToolCall, ToolCallStream, parse_tool_calls
+from radixserve.server.tool_parsers import ToolCall, ToolCallStream
 from radixserve.server.tool_use import (
+    CallReading,
     ToolChoice,
     ToolSpec,
+    call_reading,
     forced_call_grammar,
     openai_tool_choice,
     openai_tools,
@@ -80,9 +82,8 @@ async def prepare_chat(ctx: ServerContext, request: Request, raw: bytes) -> Chat
                                      body.max_completion_tokens or body.max_tokens, "messages",
                                      structured)
     namespace = cache_namespace(ctx.settings, request.state.api_key, body.cache_salt)
-    parser = family if choice.mode != "none" else None
-    return ChatExchange(ctx, model, flags, [Job(prompt_ids, params, namespace)], parser,
-                        None if choice.parallel else 1, incremental_calls=choice.forced)
+    reading = call_reading(tools, choice, family, ctx.engine.grammars)
+    return ChatExchange(ctx, model, flags, [Job(prompt_ids, params, namespace)], reading)
 
 
 def _tool_call(call_id: str, call: ToolCall) -> dict[str, Any]:
@@ -96,16 +97,9 @@ class ChatExchange(OpenAIExchange):
     chunk_object_name = "chat.completion.chunk"
 
     def __init__(self, ctx: ServerContext, model: str, flags: tuple[bool, bool],
-                 jobs: list[Job], tool_parser: str | None = None,
-                 max_calls: int | None = None, incremental_calls: bool = False) -> None:
+                 jobs: list[Job], calls: CallReading | None = None) -> None:
         super().__init__(ctx, model, flags, jobs)
-        self.tool_parser = tool_parser  # the family tool calls are read in; None: no tools
-        # parallel_tool_calls: false. A forced call's grammar allows one; with "auto" a model
-        # may still write several, and only the first is returned (the contract is one).
-        self.max_calls = max_calls
-        # Stream call arguments as they are generated: only when a grammar forces well-formed
-        # calls, so that a call announced early cannot turn out malformed (only cut short).
-        self.incremental_calls = incremental_calls
+        self.calls = calls  # how tool calls are read; None: the text is all content
         self._streams: dict[int, ToolCallStream] = {}  # per choice, when streaming with tools
         self._call_ids: dict[tuple[int, int], str] = {}  # (choice, call) -> its id
 
@@ -122,9 +116,9 @@ class ChatExchange(OpenAIExchange):
             logprobs = chat_logprobs(sample.logprobs or [], sample.token_ids, self.ctx.token_text)
         message: dict[str, Any] = {"role": "assistant", "content": sample.text, "refusal": None}
         calls: list[ToolCall] = []
-        if self.tool_parser is not None:
-            parsed = parse_tool_calls(sample.text, self.tool_parser)
-            calls = parsed.calls[: self.max_calls]
+        if self.calls is not None:
+            parsed = self.calls.parse(sample.text)
+            calls = parsed.calls
             if calls:
                 message["content"] = parsed.content or None
                 message["tool_calls"] = [_tool_call(self._call_id(sample.index, i), call)
@@ -136,17 +130,16 @@ class ChatExchange(OpenAIExchange):
         """The delta of a streamed choice with tools: content outside calls, call deltas (the
         first of each with its id and name, later ones adding to its arguments), and whether
         the choice has called a tool."""
-        assert self.tool_parser is not None
+        assert self.calls is not None
         sample = delta.sample
         stream = self._streams.get(sample.index)
         if stream is None:
-            stream = ToolCallStream(self.tool_parser, self.incremental_calls)
-            self._streams[sample.index] = stream
+            stream = self._streams[sample.index] = self.calls.stream()
         final = sample.finish_reason is not None
         visible = sample.text if final else sample.text[: delta.text_offset + len(delta.text)]
         update = stream.feed(visible, final)
         body: dict[str, Any] = {"content": update.content} if update.content else {}
-        calls = [d for d in update.calls if self.max_calls is None or d.index < self.max_calls]
+        calls = [d for d in update.calls if self.calls.keeps(d.index)]
         if calls:
             body["tool_calls"] = [
                 {"index": d.index, "id": self._call_id(sample.index, d.index), "type": "function",
@@ -163,7 +156,7 @@ class ChatExchange(OpenAIExchange):
                 for i in range(self.jobs[0].params.n)]
 
     def delta_event(self, delta: Delta) -> bytes | None:
-        if self.tool_parser is None:
+        if self.calls is None:
             return super().delta_event(delta)
         # Text held back as a possible call start, or a call's tokens before it closes: no
         # chunk until there is something to send.
@@ -177,7 +170,7 @@ class ChatExchange(OpenAIExchange):
         sample, span = delta.sample, slice(delta.token_start, delta.token_end)
         body: dict[str, Any] = {"content": delta.text} if delta.text else {}
         called = False
-        if self.tool_parser is not None:
+        if self.calls is not None:
             body, called = self._tool_delta(delta)
         return {"index": sample.index, "delta": body,
                 "logprobs": chat_logprobs((sample.logprobs or [])[span], sample.token_ids[span],

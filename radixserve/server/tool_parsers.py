@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from radixserve.server.json_spans import (
@@ -44,6 +45,11 @@ class ToolCall:
 
     name: str
     arguments: str
+
+
+# Whether a well-formed call counts as one (the server's check of names and strict schemas);
+# a refused call stays content, like a malformed one.
+CallCheck = Callable[[ToolCall], bool]
 
 
 @dataclass(frozen=True)
@@ -151,8 +157,9 @@ class _TagSplitter:
     rest is content. A block that does not decode to calls stays content, tags included, unless
     an incremental stream has announced calls from it."""
 
-    def __init__(self, incremental: bool) -> None:
+    def __init__(self, incremental: bool, accept: CallCheck | None) -> None:
         self._incremental = incremental
+        self._accept = accept
         self._done = 0  # text[:_done] has been split
         self._close_from = 0  # where to resume looking for the open call's close tag
         self._block: UnfinishedBlock | None = None  # the open block's calls, when incremental
@@ -184,7 +191,7 @@ class _TagSplitter:
                         pieces.extend(self._block.partial_calls(text))
                 break
             end = close + len(TOOL_CALL_CLOSE)
-            calls = _decode_block(text[body_start:close])
+            calls = _accepted(_decode_block(text[body_start:close]), self._accept)
             if calls is None:
                 pieces.extend(self._abandon(None) or [text[start:end]])
             else:
@@ -210,8 +217,9 @@ class _JsonSplitter:
     object is content; if that is the very first object, the whole reply is content (but an
     object an incremental stream has announced a call from is dropped, not content)."""
 
-    def __init__(self, incremental: bool) -> None:
+    def __init__(self, incremental: bool, accept: CallCheck | None) -> None:
         self._incremental = incremental
+        self._accept = accept
         self._done = 0
         self._decided = False  # whether the reply's start has shown if it is calls or content
         self._in_calls = False
@@ -265,12 +273,13 @@ class _JsonSplitter:
                     self._partial_calls(text, pieces)
                 return
             call = _decode_call(text, start)
-            if call is None:
+            calls = _accepted(None if call is None else [call], self._accept)
+            if calls is None:
                 self._give_up(text, start, end, pieces)
                 return
             assert self._block is None or self._block.announced <= 1
             self._block = None
-            pieces.append(call)
+            pieces.extend(calls)
             self._has_calls = True
             self._done = end
 
@@ -295,19 +304,28 @@ class _JsonSplitter:
         self._done = start if self._has_calls else 0
 
 
-def _splitter(family: str, incremental: bool = False) -> _TagSplitter | _JsonSplitter:
+def _accepted(calls: list[ToolCall] | None, accept: CallCheck | None) -> list[ToolCall] | None:
+    """`calls`, or None (a malformed block) when `accept` refuses any of them."""
+    if calls is None or accept is None or all(accept(call) for call in calls):
+        return calls
+    return None
+
+
+def _splitter(family: str, incremental: bool = False,
+              accept: CallCheck | None = None) -> _TagSplitter | _JsonSplitter:
     if family in ("hermes", "smollm2"):
-        return _TagSplitter(incremental)
+        return _TagSplitter(incremental, accept)
     if family == "llama3_json":
-        return _JsonSplitter(incremental)
+        return _JsonSplitter(incremental, accept)
     raise ValueError(f"unknown tool-call family {family!r}; choose one of: {', '.join(PARSERS)}")
 
 
-def parse_tool_calls(text: str, family: str) -> ParsedOutput:
+def parse_tool_calls(text: str, family: str, accept: CallCheck | None = None) -> ParsedOutput:
     """The calls in a finished reply, and the text outside them with surrounding whitespace
-    stripped. Malformed or unterminated calls stay in the content as written; never raises
-    for model output. Raises ValueError for a family not in PARSERS."""
-    pieces = _splitter(family).split(text, final=True)
+    stripped. Malformed or unterminated calls, and calls `accept` refuses (an unknown tool,
+    arguments outside a strict schema), stay in the content as written; never raises for
+    model output. Raises ValueError for a family not in PARSERS."""
+    pieces = _splitter(family, accept=accept).split(text, final=True)
     content = "".join(piece for piece in pieces if isinstance(piece, str))
     return ParsedOutput(content.strip(), [piece for piece in pieces if isinstance(piece, ToolCall)])
 
@@ -342,8 +360,9 @@ class ToolCallStream:
     where parse_tool_calls keeps it as content: a client sees a partial call, as from
     OpenAI's API when a call is cut by the length limit."""
 
-    def __init__(self, family: str, incremental: bool = False) -> None:
-        self._splitter = _splitter(family, incremental)
+    def __init__(self, family: str, incremental: bool = False,
+                 accept: CallCheck | None = None) -> None:
+        self._splitter = _splitter(family, incremental, accept)
         self._next_index = 0
         # Calls announced and not complete, numbered from _next_index: where each one's
         # arguments begin in the text, and how far they have been sent.

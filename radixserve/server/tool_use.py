@@ -13,8 +13,16 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from radixserve.engine.structured_output import GrammarCompiler
 from radixserve.sampling_params import StructuredOutputsParams
 from radixserve.server.errors import bad_request
+from radixserve.server.tool_parsers import (
+    CallCheck,
+    ParsedOutput,
+    ToolCall,
+    ToolCallStream,
+    parse_tool_calls,
+)
 
 ChoiceMode = Literal["none", "auto", "required"]
 
@@ -23,6 +31,7 @@ ChoiceMode = Literal["none", "auto", "required"]
 class ToolSpec:
     name: str
     parameters: dict[str, Any]  # the arguments' JSON schema
+    strict: bool = False  # arguments must follow the schema, even where the call is free
 
 
 @dataclass(frozen=True)
@@ -45,11 +54,16 @@ def _schema(value: Any, param: str) -> dict[str, Any]:
 
 
 def _spec(definition: dict[str, Any], schema_key: str, path: str) -> ToolSpec:
-    """A tool from the object that holds its name and its arguments' schema (`schema_key`)."""
+    """A tool from the object that holds its name, its arguments' schema (`schema_key`) and
+    `strict` (both APIs' name)."""
     name = definition.get("name")
     if not isinstance(name, str) or not name:
         raise bad_request("a tool needs a name.", f"{path}.name")
-    return ToolSpec(name, _schema(definition.get(schema_key), f"{path}.{schema_key}"))
+    strict = definition.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise bad_request("strict must be true or false.", f"{path}.strict")
+    return ToolSpec(name, _schema(definition.get(schema_key), f"{path}.{schema_key}"),
+                    bool(strict))
 
 
 def _check_names(tools: list[ToolSpec], param: str) -> list[ToolSpec]:
@@ -137,6 +151,58 @@ def _known(name: str, tools: list[ToolSpec], param: str) -> str:
     if name not in {t.name for t in tools}:
         raise bad_request(f"tool_choice names {name!r}, which is not among the tools.", param)
     return name
+
+
+@dataclass(frozen=True)
+class CallReading:
+    """How one turn's tool calls are read back out of the text: the family's format, at most
+    how many (parallel calls off: one), arguments streamed as generated (only for a forced
+    call, whose grammar keeps an announced call from turning out malformed) or each call
+    whole, and which calls count (`call_check`)."""
+
+    family: str
+    max_calls: int | None
+    incremental: bool
+    accept: CallCheck
+
+    def parse(self, text: str) -> ParsedOutput:
+        parsed = parse_tool_calls(text, self.family, self.accept)
+        return ParsedOutput(parsed.content, parsed.calls[: self.max_calls])
+
+    def stream(self) -> ToolCallStream:
+        return ToolCallStream(self.family, self.incremental, self.accept)
+
+    def keeps(self, index: int) -> bool:
+        """Whether the call of this index is sent (calls past max_calls are dropped)."""
+        return self.max_calls is None or index < self.max_calls
+
+
+def call_reading(tools: list[ToolSpec], choice: ToolChoice, family: str,
+                 grammars: GrammarCompiler) -> CallReading | None:
+    """How a turn with these tools reads its calls; None when it reads none (no tools, or
+    tool_choice none)."""
+    if choice.mode == "none":
+        return None
+    return CallReading(family, None if choice.parallel else 1, choice.forced,
+                       call_check(tools, grammars))
+
+
+def call_check(tools: list[ToolSpec], grammars: GrammarCompiler) -> CallCheck:
+    """Which calls a free (tool_choice auto) reply may return: those to a declared tool, whose
+    arguments, for a strict tool, are valid for its schema. Any other stays text. (A forced
+    call's grammar allows only such calls.)"""
+    by_name = {tool.name: tool for tool in tools}
+
+    def accept(call: ToolCall) -> bool:
+        tool = by_name.get(call.name)
+        if tool is None:
+            return False
+        # The model's own spacing is fine here: only the forced grammar writes compact JSON.
+        schema = {**_closed(tool.parameters), "x-guidance": {"whitespace_flexible": True}}
+        return not tool.strict or grammars.matches(StructuredOutputsParams(json=schema),
+                                                   call.arguments)
+
+    return accept
 
 
 # Compact JSON: a small model left free whitespace inside a call spends tokens on it.
