@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,9 +48,10 @@ class StructuredOutputsParams:
                 isinstance(c, str) and c for c in self.choice)):
             raise SamplingParamError("structured_outputs", "choice must be non-empty strings")
 
-    @property
+    @functools.cached_property
     def key(self) -> tuple[str, str]:
-        """(kind, source text): what a compiled grammar is cached by."""
+        """(kind, source text): what a compiled grammar is cached by (a schema serialised
+        once per request, not at each of its checks)."""
         if self.json is not None:
             text = self.json if isinstance(self.json, str) else json.dumps(self.json,
                                                                            sort_keys=True)

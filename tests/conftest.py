@@ -4,6 +4,7 @@ settings, and a real server with an `openai` client for modules that need no spe
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -61,16 +62,25 @@ def cpu_flags() -> set[str]:
     return set()
 
 
-@pytest.fixture(scope="module")
-def server(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """`radixserve serve` on the default model with a small pool, one per module; it must stop
-    cleanly and log no serious error."""
+@contextlib.contextmanager
+def running_server(tmp_path_factory: pytest.TempPathFactory, *flags: str,
+                   name: str = "server") -> Iterator[ServerProcess]:
+    """`radixserve serve` on the default model with a small pool, 2 threads and invariant
+    checks, plus `flags` (a later flag wins over a default); it must stop cleanly and log no
+    serious error."""
     proc = start_server(["--kv-cache-tokens", "8192", "--num-threads", "2", "--debug-invariants",
-                         "--no-access-log"],
-                        tmp_path_factory.mktemp("server") / "server.log")
+                         "--no-access-log", *flags],
+                        tmp_path_factory.mktemp(name) / "server.log")
     yield proc
     assert proc.stop() == 0, proc.log()
     assert not proc.serious_errors(), proc.log()
+
+
+@pytest.fixture(scope="module")
+def server(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """A server with no special flags, one per module that does not define its own."""
+    with running_server(tmp_path_factory) as proc:
+        yield proc
 
 
 @pytest.fixture(scope="module")

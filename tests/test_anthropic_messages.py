@@ -20,9 +20,10 @@ from radixserve.bench.textgen import WordBank
 from radixserve.model.loader import load_tokenizer
 from radixserve.model.tokenizer import ChatTokenizer
 from radixserve.server.anthropic_messages import _StreamBlocks
-from radixserve.server.launcher import ServerProcess, read_metrics, start_server
+from radixserve.server.launcher import ServerProcess, read_metrics
 from radixserve.server.tool_use import CallReading
 from radixserve.vendors import chat_prompt, render_prompt, render_request
+from tests.conftest import running_server
 
 MODEL = "claude-sonnet-4-6"  # an alias of the served model (1,024-token profile)
 KEY = "sk-ant-test-key"
@@ -34,13 +35,8 @@ GREEDY = {"temperature": 0}
 
 @pytest.fixture(scope="module")
 def server(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    proc = start_server(
-        ["--kv-cache-tokens", "8192", "--num-threads", "2", "--debug-invariants",
-         "--no-access-log", "--api-key", KEY],
-        tmp_path_factory.mktemp("anthropic") / "server.log")
-    yield proc
-    assert proc.stop() == 0, proc.log()
-    assert not proc.serious_errors(), proc.log()
+    with running_server(tmp_path_factory, "--api-key", KEY, name="anthropic") as proc:
+        yield proc
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,8 @@ import pytest
 
 from radixserve.bench.textgen import WordBank
 from radixserve.model.loader import load_tokenizer
-from radixserve.server.launcher import ServerProcess, start_server, wait_idle
+from radixserve.server.launcher import ServerProcess, wait_idle
+from tests.conftest import running_server
 
 MODEL = "claude-sonnet-4-6"
 POOL = 2048
@@ -26,13 +27,8 @@ PRESSURE = 1500  # tokens in each unrelated prompt: two of them flush everything
 
 @pytest.fixture(scope="module")
 def server(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    proc = start_server(
-        ["--kv-cache-tokens", str(POOL), "--num-threads", "2", "--debug-invariants",
-         "--no-access-log", "--enable-clock-control", "--max-pinned-fraction", "0.5"],
-        tmp_path_factory.mktemp("anthropic-ttl") / "server.log")
-    yield proc
-    assert proc.stop() == 0, proc.log()
-    assert not proc.serious_errors(), proc.log()
+    with running_server(tmp_path_factory, "--kv-cache-tokens", str(POOL), "--enable-clock-control", "--max-pinned-fraction", "0.5", name="anthropic-ttl") as proc:
+        yield proc
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,8 @@ import pytest
 
 from radixserve.bench.textgen import WordBank
 from radixserve.model.loader import load_tokenizer
-from radixserve.server.launcher import ServerProcess, start_server
+from radixserve.server.launcher import ServerProcess
+from tests.conftest import running_server
 
 SONNET = "claude-sonnet-4-6"  # profile anthropic-1024
 OPUS = "claude-opus-5"  # profile anthropic-512: shorter prompts reach its minimum
@@ -28,13 +29,8 @@ EPHEMERAL = {"type": "ephemeral"}
 
 @pytest.fixture(scope="module")
 def server(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    proc = start_server(
-        ["--kv-cache-tokens", "8192", "--num-threads", "2", "--debug-invariants",
-         "--no-access-log", "--cache-accounting", "vendor", "--enable-clock-control"],
-        tmp_path_factory.mktemp("anthropic-vendor") / "server.log")
-    yield proc
-    assert proc.stop() == 0, proc.log()
-    assert not proc.serious_errors(), proc.log()
+    with running_server(tmp_path_factory, "--cache-accounting", "vendor", "--enable-clock-control", name="anthropic-vendor") as proc:
+        yield proc
 
 
 @pytest.fixture(scope="module")

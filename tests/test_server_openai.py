@@ -16,8 +16,9 @@ import pytest
 from radixserve.bench.textgen import WordBank
 from radixserve.model.loader import load_tokenizer
 from radixserve.model.tokenizer import ChatTokenizer
-from radixserve.server.launcher import ServerProcess, read_metrics, start_server, wait_idle
+from radixserve.server.launcher import ServerProcess, read_metrics, wait_idle
 from radixserve.server.openai_protocol import IGNORED_FIELDS
+from tests.conftest import running_server
 
 MODEL = "SmolLM2-135M-Instruct"
 MAX_REQUEST_BYTES = 1_000_000
@@ -26,13 +27,8 @@ HELLO = [{"role": "user", "content": "Say hello."}]
 
 @pytest.fixture(scope="module")
 def server(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    proc = start_server(
-        ["--kv-cache-tokens", "8192", "--num-threads", "2", "--debug-invariants",
-         "--no-access-log", "--max-request-bytes", str(MAX_REQUEST_BYTES)],
-        tmp_path_factory.mktemp("server") / "server.log")
-    yield proc
-    assert proc.stop() == 0, proc.log()
-    assert not proc.serious_errors(), proc.log()
+    with running_server(tmp_path_factory, "--max-request-bytes", str(MAX_REQUEST_BYTES), name="server") as proc:
+        yield proc
 
 
 @pytest.fixture(scope="module")

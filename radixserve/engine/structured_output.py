@@ -11,6 +11,7 @@ a constrained request is refused, never served unconstrained.
 
 from __future__ import annotations
 
+import json
 import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
@@ -51,8 +52,6 @@ def _grammar_text(spec: StructuredOutputsParams) -> str:
         return LLMatcher.grammar_from_regex(spec.regex)
     if spec.choice is not None:
         # Each choice as a literal string: regex metacharacters in a choice stay literal.
-        import json
-
         alternatives = " | ".join(json.dumps(c) for c in spec.choice)
         return LLMatcher.grammar_from_lark(f"start: {alternatives}")
     try:

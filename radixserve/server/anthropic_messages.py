@@ -34,12 +34,10 @@ from radixserve.server.exchange import Delta, Exchange, handle
 from radixserve.server.serving import Job
 from radixserve.server.tool_use import (
     CallReading,
-    ToolChoice,
-    ToolSpec,
     anthropic_tool_choice,
     anthropic_tools,
     call_reading,
-    forced_call_grammar,
+    turn_constraint,
 )
 from radixserve.server.transport import sse
 from radixserve.server.validation import checked_sampling_params
@@ -77,7 +75,12 @@ async def prepare_message(ctx: ServerContext, request: Request, raw: bytes) -> M
         _check_prewarm(body)
     tools = anthropic_tools(body.tools)
     choice = anthropic_tool_choice(body.tool_choice, tools)
-    structured = _constraint(body, tools, choice)
+    output_format = _output_format(body.output_config)
+    # The tools section of the prompt (vendors.template) asks for hermes-style calls. (A
+    # pre-warm with a forced call never gets here: _check_prewarm refuses it.)
+    structured = turn_constraint(
+        [(output_format, "output_config.format")] if output_format else [], tools, choice,
+        TOOL_CALL_FORMAT, '{"type": "none"}')
     # A pre-warm still samples one token (the engine always computes logits); it is not sent.
     params = checked_sampling_params(ctx, body, prompt.token_ids, max(1, body.max_tokens),
                                      "messages", structured)
@@ -101,22 +104,6 @@ def _output_format(config: dict[str, Any] | None) -> StructuredOutputsParams | N
         raise bad_request('output_config.format must be {"type": "json_schema", "schema": '
                           "{...}}.", "output_config.format")
     return StructuredOutputsParams(json=fmt["schema"])
-
-
-def _constraint(body: MessagesRequest, tools: list[ToolSpec], choice: ToolChoice
-                ) -> tuple[StructuredOutputsParams, str] | None:
-    """A forced tool call or output_config.format; with tools that the model may call, a
-    format would keep it from calling them: refused, as are both at once."""
-    output_format = _output_format(body.output_config)
-    if output_format is not None:
-        if choice.mode != "none":
-            raise bad_request('output_config.format cannot be combined with tools unless '
-                              'tool_choice is {"type": "none"}.', "output_config.format")
-        return output_format, "output_config.format"
-    if choice.forced and body.max_tokens > 0:
-        # The tools section of the prompt (vendors.template) asks for hermes-style calls.
-        return forced_call_grammar(tools, choice, TOOL_CALL_FORMAT), "tool_choice"
-    return None
 
 
 def _cost_headers(request_id: str, cost: Cost | None, thinking_ignored: bool) -> dict[str, str]:

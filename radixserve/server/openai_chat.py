@@ -10,11 +10,9 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from radixserve.outputs import CompletionOutput
-from radixserve.sampling_params import StructuredOutputsParams
 from radixserve.server.auth import cache_namespace
 from radixserve.server.constraints import response_format_constraint
 from radixserve.server.context import ServerContext
-from radixserve.server.errors import bad_request
 from radixserve.server.exchange import Delta, handle
 from radixserve.server.openai_exchange import OpenAIExchange, stream_flags
 from radixserve.server.openai_protocol import (
@@ -28,12 +26,10 @@ from radixserve.server.serving import Job
 from radixserve.server.tool_parsers import ToolCall, ToolCallStream
 from radixserve.server.tool_use import (
     CallReading,
-    ToolChoice,
-    ToolSpec,
     call_reading,
-    forced_call_grammar,
     openai_tool_choice,
     openai_tools,
+    turn_constraint,
 )
 from radixserve.server.transport import parse_body
 from radixserve.server.validation import checked_sampling_params
@@ -41,31 +37,6 @@ from radixserve.server.validation import checked_sampling_params
 
 async def create_chat_completion(request: Request) -> Response:
     return await handle(request, prepare_chat)
-
-
-def _constraint(body: ChatCompletionRequest, tools: list[ToolSpec], choice: ToolChoice,
-                family: str) -> tuple[StructuredOutputsParams, str] | None:
-    """What constrains the output: a forced tool call, response_format or an extension field;
-    400 when two would (a forced call leaves no room for another format)."""
-    found = []
-    if choice.forced:
-        found.append((forced_call_grammar(tools, choice, family), "tool_choice"))
-    response_format = response_format_constraint(body.response_format)
-    if response_format is not None:
-        found.append((response_format, "response_format"))
-    extension = body.extension_constraint()
-    if extension is not None:
-        found.append(extension)
-    if len(found) > 1:
-        raise bad_request(f"{found[0][1]} and {found[1][1]} both constrain the output; set "
-                          "one.", found[1][1])
-    if found and found[0][1] != "tool_choice" and choice.mode == "auto":
-        # The grammar would keep the model from calling a tool while the client expects it
-        # may: say so rather than quietly never call.
-        raise bad_request(f"{found[0][1]} cannot be combined with tools unless tool_choice is "
-                          '"none" (a constrained answer cannot also be a tool call).',
-                          found[0][1])
-    return found[0] if found else None
 
 
 async def prepare_chat(ctx: ServerContext, request: Request, raw: bytes) -> ChatExchange:
@@ -76,7 +47,12 @@ async def prepare_chat(ctx: ServerContext, request: Request, raw: bytes) -> Chat
     tools = openai_tools(body.tools)
     choice = openai_tool_choice(body.tool_choice, tools, body.parallel_tool_calls)
     family = ctx.tool_call_parser
-    structured = _constraint(body, tools, choice, family)
+    formats = []
+    if (response_format := response_format_constraint(body.response_format)) is not None:
+        formats.append((response_format, "response_format"))
+    if (extension := body.extension_constraint()) is not None:
+        formats.append(extension)
+    structured = turn_constraint(formats, tools, choice, family, '"none"')
     prompt_ids = await asyncio.to_thread(render_chat, ctx.tokenizer, body.messages, body.tools)
     params = checked_sampling_params(ctx, body, prompt_ids,
                                      body.max_completion_tokens or body.max_tokens, "messages",

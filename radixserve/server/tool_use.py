@@ -226,6 +226,30 @@ def _call_schema(tool: ToolSpec, arguments_key: str) -> dict[str, Any]:
             "required": ["name", arguments_key], "additionalProperties": False}
 
 
+Constraint = tuple[StructuredOutputsParams, str]  # and the request field that asked for it
+
+
+def turn_constraint(formats: list[Constraint], tools: list[ToolSpec], choice: ToolChoice,
+                    family: str, none_choice: str) -> Constraint | None:
+    """The one constraint on a turn's output: the format the client asked for (`formats`,
+    each with its field), or the grammar of a forced call. 400 when two formats are set, or a
+    format meets tools the model may call (it could then never call them); `none_choice` is
+    the API's way to write tool_choice none, for that message."""
+    if len(formats) > 1:
+        raise bad_request(f"{formats[0][1]} and {formats[1][1]} both constrain the output; "
+                          "set one.", formats[1][1])
+    if formats:
+        field = formats[0][1]
+        if choice.mode != "none":
+            raise bad_request(f"{field} cannot be combined with tools unless tool_choice is "
+                              f"{none_choice} (a constrained answer cannot also be a tool "
+                              "call).", field)
+        return formats[0]
+    if choice.forced:
+        return forced_call_grammar(tools, choice, family), "tool_choice"
+    return None
+
+
 def forced_call_grammar(tools: list[ToolSpec], choice: ToolChoice,
                         family: str) -> StructuredOutputsParams:
     """The grammar of a turn that is tool calls only: one call (or, with `parallel`, one or
