@@ -21,6 +21,7 @@ from radixserve.server.tool_parsers import (
     family_for_template,
     parse_tool_calls,
 )
+from radixserve.server.tool_use import CallReading
 
 WEATHER = ToolCall("get_weather", '{"city": "Paris"}')
 TIME = ToolCall("get_time", '{"zone": "Europe/Paris"}')
@@ -479,3 +480,13 @@ def test_calls_the_check_refuses_stay_content_parsed_and_streamed() -> None:
     assert [d.name for u in updates for d in u.calls] == ["f"]
     llama = parse_tool_calls('{"name": "g", "parameters": {}}', "llama3_json", only_f)
     assert llama.calls == [] and llama.content == '{"name": "g", "parameters": {}}'
+
+
+def test_parallel_calls_off_returns_the_first_call_only() -> None:
+    text = ('<tool_call>{"name": "f", "arguments": {}}</tool_call>\n'
+            '<tool_call>{"name": "g", "arguments": {}}</tool_call>')
+    one = CallReading("hermes", 1, False, lambda call: True)
+    assert [c.name for c in one.parse(text).calls] == ["f"]
+    assert one.keeps(0) and not one.keeps(1)
+    both = CallReading("hermes", None, False, lambda call: True)
+    assert [c.name for c in both.parse(text).calls] == ["f", "g"] and both.keeps(5)
