@@ -59,6 +59,14 @@ class EngineConfig:
     prefill_attention_backend: str = "auto"  # see PREFILL_ATTENTION_BACKENDS
     matmul_backend: str = "auto"  # projections of steps with few tokens; see MATMUL_BACKENDS
     quantization: str = "auto"  # see QUANTIZATIONS
+    # The disk KV tier (radixserve/kv_tier): off unless a directory is given. Every block of
+    # kv_offload_block_tokens tokens a request completes is written there (and read back when
+    # a prompt needs it past the pool's match), within kv_offload_gb on disk, through a write
+    # queue of kv_offload_queue_mb (writes beyond it are dropped and counted).
+    kv_offload_dir: str | None = None
+    kv_offload_gb: float = 10.0
+    kv_offload_block_tokens: int = 64
+    kv_offload_queue_mb: float = 512.0
     num_threads: int | None = None  # torch CPU threads; None keeps torch's default
     seed: int = 0  # seeds sampling for requests that carry no seed of their own
     show_progress: bool = True
@@ -93,6 +101,15 @@ class EngineConfig:
         need(self.kv_cache_memory_gb > 0, "kv_cache_memory_gb must be > 0")
         need(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
         need(self.max_num_batched_tokens >= 16, "max_num_batched_tokens must be >= 16")
+        need(self.kv_offload_gb > 0, "kv_offload_gb must be > 0")
+        need(self.kv_offload_queue_mb > 0, "kv_offload_queue_mb must be > 0")
+        need(self.kv_offload_block_tokens >= 1
+             and self.kv_offload_block_tokens % self.page_size == 0,
+             f"kv_offload_block_tokens must be a positive multiple of page_size "
+             f"({self.page_size}), got {self.kv_offload_block_tokens}")
+        need(self.kv_offload_dir is None or self.prefix_cache != "off",
+             "kv_offload_dir needs a prefix cache (radix or hash): the tier holds what the "
+             "cache evicts")
         need(0 <= self.max_pinned_fraction <= 1, "max_pinned_fraction must be in [0, 1]")
         need(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
              f"device must be auto, cpu or cuda[:N], got {self.device!r}")

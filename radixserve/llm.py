@@ -26,6 +26,17 @@ class LLM:
     def __init__(self, model: str | None = None, **config: Any) -> None:
         self.engine = LLMEngine(EngineConfig.from_kwargs(model, **config))
 
+    def close(self) -> None:
+        """Finishes the disk KV tier's queued writes (with `kv_offload_dir`) and stops its
+        threads; use the LLM no more afterwards. Leaving a `with LLM(...) as llm:` does it."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     @property
     def tokenizer(self) -> ChatTokenizer:
         return self.engine.tokenizer

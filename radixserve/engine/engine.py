@@ -14,9 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
+import radixserve
 from radixserve.cache import make_prefix_cache
 from radixserve.config import EngineConfig
 from radixserve.engine.detokenizer import Detokenizer
+from radixserve.engine.kv_offload import KVOffload
 from radixserve.engine.kv_pool import KVPool
 from radixserve.engine.postprocess import Postprocessor, make_output
 from radixserve.engine.request import Request
@@ -31,6 +33,8 @@ from radixserve.engine.setup import (
 )
 from radixserve.engine.structured_output import GrammarCompiler
 from radixserve.kernels.cpu import describe as describe_cpu
+from radixserve.kv_tier.blocks import ModelFingerprint, weights_identity
+from radixserve.kv_tier.store import TierStore
 from radixserve.outputs import RequestOutput
 from radixserve.sampling_params import SamplingParams
 
@@ -72,8 +76,10 @@ class LLMEngine:
                                        self.pool.allocator.release, clock=clock,
                                        max_pinned_tokens=int(self.pool.num_slots
                                                              * config.max_pinned_fraction))
-        self.scheduler = Scheduler(config, self.pool.allocator, self.cache, clock)
         attention = build_attention(config, mc, self.pool.num_slots, self.device, self.dtype)
+        self.offload = self._kv_offload(attention.name) if config.kv_offload_dir else None
+        self.scheduler = Scheduler(config, self.pool.allocator, self.cache, clock,
+                                   tier=self.offload)
         # Requests without a seed of their own draw from this one generator (vLLM's rule).
         generator = torch.Generator().manual_seed(config.seed)
         self.runner = ModelRunner(self.model, self.pool, attention, self.device, generator)
@@ -91,6 +97,39 @@ class LLMEngine:
             self.device, describe_cpu(), self.pool.num_slots, config.page_size,
             config.prefix_cache, attention.name, self.model.linear_method.describe(),
         )
+
+    def _kv_offload(self, attention: str) -> KVOffload:
+        config, mc = self.config, self.model_config
+        assert config.kv_offload_dir is not None
+        fingerprint = ModelFingerprint(
+            weights=weights_identity(self.model_path),
+            dtype=str(self.dtype).removeprefix("torch."),
+            quantization=config.quantization,
+            projections=self.model.linear_method.describe(),
+            attention=attention,
+            num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
+            page_size=config.page_size, block_tokens=config.kv_offload_block_tokens,
+            software=f"radixserve {radixserve.__version__}, torch {torch.__version__}",
+        )
+        clock = self.clock
+        # Pins outlive the process, so the tier keeps them in wall-clock time; this clock
+        # moves with the engine's (a test's clock control moves both).
+        store = TierStore(config.kv_offload_dir, fingerprint,
+                          capacity_bytes=int(config.kv_offload_gb * 1e9),
+                          queue_bytes=int(config.kv_offload_queue_mb * 1e6),
+                          wall_clock=lambda: time.time() + clock() - time.monotonic())
+        stats = store.stats()
+        logger.info("KV tier %s: %d entries (%.2f GB of %.2f), %d pinned; index rebuilt in "
+                    "%.3f s%s", store.dir, stats.entries, stats.bytes / 1e9,
+                    store.capacity_bytes / 1e9, stats.pinned_entries, store.scan_seconds,
+                    "" if store.writable else " (read-only)")
+        return KVOffload(store, self.pool, config.kv_offload_block_tokens, clock)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Finishes the disk tier's queued writes (up to `timeout` seconds). Call once the
+        engine has stopped stepping; without a tier it does nothing."""
+        if self.offload is not None:
+            self.offload.close(timeout)
 
     # ----- requests -----
 
@@ -235,4 +274,6 @@ class LLMEngine:
             return
         stats = self.pool_stats()
         assert stats.balanced, f"KV slot accounting broken: {stats}"
+        if self.scheduler.has_work():  # waiting on a tier load: not idle
+            return
         assert stats.protected == 0 and stats.private == 0, f"idle engine holds KV: {stats}"

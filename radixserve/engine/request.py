@@ -22,6 +22,7 @@ from radixserve.sampling_params import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    LOADING = "loading"  # admitted; its KV is being loaded from the disk tier
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -64,6 +65,10 @@ class Request:
     # up to each offset is pinned in the cache once published, until arrival + TTL.
     pins: list[tuple[int, float]] = field(default_factory=list)
     generator: torch.Generator | None = None
+    # The disk tier's keys of this request's full blocks so far, and how many leading blocks
+    # were handed to the tier already (see radixserve/engine/kv_offload.py).
+    tier_keys: list[bytes] = field(default_factory=list, repr=False)
+    tier_blocks_done: int = 0
     # The structured output's grammar state, when the request has one.
     matcher: GrammarMatcher | None = None
     metrics: RequestMetrics = field(init=False)

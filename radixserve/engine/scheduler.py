@@ -6,6 +6,11 @@ pool allow. Admission reuses the prefix cache: match, lock, budget memory (count
 eviction can free), allocate. When decode runs out of pages the newest request is preempted
 (recompute later); its computed KV stays in the cache so it can hit on the way back in.
 
+With a disk tier (`KVTier`), admission also asks it for the blocks that follow the pool's match:
+the request is then admitted into `loading` (its slots allocated, its match locked) while a
+loader thread copies them in, and joins the running batch once they are there. Other requests'
+steps go on meanwhile. A block that fails to load is simply computed.
+
 A request that asks for prompt log-probabilities needs the logits of every prompt position, and
 a cached position has none: until it has them all it skips the cache match (computing its whole
 prompt, reporting 0 cached tokens, not counted as a cache query), but publishes its KV as usual.
@@ -13,10 +18,13 @@ prompt, reporting 0 cached tokens, not counted as a cache query), but publishes 
 
 from __future__ import annotations
 
+import concurrent.futures
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from radixserve.cache.base import PrefixCache
 from radixserve.config import EngineConfig
@@ -24,6 +32,8 @@ from radixserve.engine.kv_pool import OutOfSlots, PageAllocator
 from radixserve.engine.request import Request, RequestStatus
 from radixserve.outputs import FinishReason
 from radixserve.prefix import common_prefix_len
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -56,12 +66,43 @@ class SchedulerOutput:
         return not self.decodes and not self.prefills
 
 
+class TierLoadResult(Protocol):
+    end: int  # the request's KV is valid up to here
+    loaded_tokens: int
+    pinned_until: float  # the loaded prefix's pin on the scheduler's clock; -inf: none
+
+
+class TierLoad(Protocol):
+    future: concurrent.futures.Future  # resolves to a TierLoadResult
+
+    def cancel(self) -> None: ...
+
+
+class KVTier(Protocol):
+    """What the scheduler asks of the disk tier (radixserve/engine/kv_offload.py)."""
+
+    def prefetch(self, request: Request, matched: int) -> None:
+        """A hint, when a request arrives, that its blocks past `matched` will be read."""
+        ...
+
+    def start_load(self, request: Request, matched: int) -> TierLoad | None:
+        """Starts loading the blocks past the pool's match into the request's slots."""
+        ...
+
+    def write_through(self, request: Request, end: int) -> None:
+        """The request's first `end` tokens are cached now: queue their new blocks."""
+        ...
+
+    def pin(self, request: Request, end: int, expires_at: float) -> None: ...
+
+
 @dataclass
 class SchedulerCounters:
     """Cumulative, in tokens; vLLM's counting rules for queries and hits."""
 
     prefix_cache_queries: int = 0  # prompt tokens looked up at first admission
-    prefix_cache_hits: int = 0  # of those, tokens found in the cache
+    prefix_cache_hits: int = 0  # of those, tokens found in the cache (the pool or the tier)
+    kv_tier_hits: int = 0  # of the hits, tokens loaded from the disk tier
     computed_prompt_tokens: int = 0  # prompt tokens actually run through the model
     preemptions: int = 0
 
@@ -73,23 +114,31 @@ class Scheduler:
         allocator: PageAllocator,
         cache: PrefixCache,
         clock: Callable[[], float] = time.monotonic,
+        tier: KVTier | None = None,
     ) -> None:
         self.config = config
         self.allocator = allocator
         self.cache = cache
         self.page_size = allocator.page_size
         self.clock = clock
+        self.tier = tier if cache.stores_slots else None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.loading: dict[Request, TierLoad] = {}  # admitted, their tier blocks on the way
+        # Slots of requests that ended while loading: the loader may still write them.
+        self._abandoned: list[tuple[list[int], TierLoad]] = []
         self.counters = SchedulerCounters()
 
     # ----- queue management -----
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
+        if self.tier is not None and not request.needs_prompt_logprobs:
+            lookup = request.token_ids[: request.num_tokens - 1]
+            self.tier.prefetch(request, self.cache.match_prefix(request.namespace, lookup).length)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading or self._abandoned)
 
     def finish(self, request: Request, reason: FinishReason, keep_kv: bool = True) -> None:
         """Ends a request wherever it is; releases every slot and lock it holds, once.
@@ -101,6 +150,12 @@ class Scheduler:
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
             self._release(request, publish=keep_kv)
+        elif request.status is RequestStatus.LOADING:
+            load = self.loading.pop(request)
+            load.cancel()
+            self._abandoned.append((request.slots[request.cache_len :], load))
+            request.slots = request.slots[: request.cache_len]  # the rest waits for the loader
+            self._release(request, publish=False)
         else:
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
@@ -109,6 +164,20 @@ class Scheduler:
     # ----- one step -----
 
     def schedule(self) -> SchedulerOutput:
+        self._collect_loads()
+        out = self._plan()
+        if out.empty and (self.loading or self._abandoned):
+            # Nothing to compute until a load lands: wait for one (briefly, so the caller
+            # still gets to its inbox) rather than spin.
+            futures = [load.future for load in self.loading.values()]
+            futures += [load.future for _, load in self._abandoned]
+            concurrent.futures.wait(futures, timeout=0.05,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+            self._collect_loads()
+            out = self._plan()
+        return out
+
+    def _plan(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         for request in list(self.running):
@@ -196,7 +265,8 @@ class Scheduler:
             admitted = self._try_admit(request)
             if admitted is None:
                 return  # out of memory: later requests would not fit either
-            budget -= self._schedule_tokens(request, out, budget)
+            if request.status is RequestStatus.RUNNING:
+                budget -= self._schedule_tokens(request, out, budget)
 
     def _admission_order(self) -> list[Request]:
         if self.config.schedule_policy == "fcfs" or len(self.waiting) <= 1:
@@ -226,7 +296,7 @@ class Scheduler:
             return False
         need = self.config.dedup_min_tokens
         tokens = request.token_ids
-        for other in self.running:
+        for other in [*self.running, *self.loading]:
             if other.namespace != request.namespace or not other.is_prefilling:
                 continue
             shared = common_prefix_len(tokens, other.token_ids)
@@ -259,16 +329,55 @@ class Scheduler:
             self._release(request, publish=False)
             return None
         self.waiting.remove(request)
+        self._apply_pins(request)
+        load = self.tier.start_load(request, match.length) if self.tier and reads_cache else None
+        if load is not None:
+            request.status = RequestStatus.LOADING
+            self.loading[request] = load
+            return request
+        self._start(request, reads_cache, loaded=0)
+        return request
+
+    def _start(self, request: Request, reads_cache: bool, loaded: int) -> None:
+        """Moves an admitted request into the running batch; counts its cache hit once."""
         self.running.append(request)
         request.status = RequestStatus.RUNNING
-        self._apply_pins(request)
         if request.num_cached_tokens is None:
-            request.num_cached_tokens = match.length
+            request.num_cached_tokens = request.num_computed
             request.metrics.first_scheduled_time = self.clock()
             if reads_cache:
                 self.counters.prefix_cache_queries += len(request.prompt_token_ids)
-                self.counters.prefix_cache_hits += match.length
-        return request
+                self.counters.prefix_cache_hits += request.num_computed
+                self.counters.kv_tier_hits += loaded
+
+    def _collect_loads(self) -> None:
+        """Starts the requests whose loads landed; frees the slots of abandoned ones."""
+        for request, load in list(self.loading.items()):
+            if not load.future.done():
+                continue
+            del self.loading[request]
+            try:
+                result = load.future.result()
+            except Exception:  # the loader failed: compute everything past the match
+                logger.exception("KV tier load failed for request %s", request.request_id)
+                result = None
+            if result is not None and result.loaded_tokens:
+                request.num_computed = result.end
+                self.publish(request)
+                if result.pinned_until > self.clock():  # a pin that outlived a restart
+                    match = self.cache.match_prefix(request.namespace,
+                                                    request.token_ids[: request.cache_len])
+                    self.cache.pin(match.handle, result.pinned_until)
+            self._start(request, reads_cache=True,
+                        loaded=result.loaded_tokens if result is not None else 0)
+        still = []
+        for slots, load in self._abandoned:
+            if load.future.done():
+                if slots:
+                    self.allocator.release(slots)
+            else:
+                still.append((slots, load))
+        self._abandoned = still
 
     # ----- cache bookkeeping -----
 
@@ -299,6 +408,8 @@ class Scheduler:
             self.cache.unlock(request.cache_handle)
         request.cache_handle = result.handle
         request.cache_len = aligned
+        if self.tier is not None:
+            self.tier.write_through(request, aligned)
         self._apply_pins(request)
 
     def _apply_pins(self, request: Request) -> None:
@@ -313,6 +424,8 @@ class Scheduler:
             elif aligned > 0:
                 match = self.cache.match_prefix(request.namespace, request.token_ids[:aligned])
                 self.cache.pin(match.handle, request.arrival_time + ttl)
+                if self.tier is not None:
+                    self.tier.pin(request, aligned, request.arrival_time + ttl)
         request.pins = waiting
 
     def _release(self, request: Request, publish: bool) -> None:
@@ -329,4 +442,7 @@ class Scheduler:
         request.num_computed = 0
 
     def private_slots(self) -> int:
-        return sum(r.num_private_slots for r in self.running)
+        """Slots held by requests outside the cache: running, loading, or abandoned mid-load."""
+        return (sum(r.num_private_slots for r in self.running)
+                + sum(r.num_private_slots for r in self.loading)
+                + sum(len(slots) for slots, _ in self._abandoned))

@@ -62,6 +62,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     )
     _model_flags(p.add_argument_group("model"))
     _cache_flags(p.add_argument_group("KV cache and scheduling"))
+    _tier_flags(p.add_argument_group("disk KV tier (off unless --kv-offload-dir is given)"))
     http = p.add_argument_group("HTTP")
     _http_flags(http)
     _accounting_flags(p.add_argument_group("prompt-cache accounting and cost"))
@@ -133,6 +134,25 @@ def _cache_flags(cache: argparse._ArgumentGroup) -> None:
                             "it the oldest pin yields first")
     cache.add_argument("--debug-invariants", action="store_true",
                        help="check KV slot accounting whenever the engine is idle (slow; tests)")
+
+
+def _tier_flags(tier: argparse._ArgumentGroup) -> None:
+    tier.add_argument("--kv-offload-dir", default=None, metavar="DIR",
+                      help="keep prefixes' KV in files under DIR: every block a request "
+                           "computes is written there in the background and read back when a "
+                           "later prompt needs it beyond what the KV pool holds, across "
+                           "evictions and restarts (cache_control pins keep their expiry); "
+                           "inspect or clear it with `radixserve cache`")
+    tier.add_argument("--kv-offload-gb", type=float, default=EngineConfig.kv_offload_gb,
+                      help="most disk space (GB) the tier uses; least recently used blocks "
+                           "go first, pinned ones last")
+    tier.add_argument("--kv-offload-block-tokens", type=int,
+                      default=EngineConfig.kv_offload_block_tokens,
+                      help="tokens per tier block (one file); a multiple of --page-size")
+    tier.add_argument("--kv-offload-queue-mb", type=float,
+                      default=EngineConfig.kv_offload_queue_mb,
+                      help="most KV (MB) waiting to be written; writes beyond it are dropped "
+                           "and counted (pinned prefixes are always written)")
 
 
 def _http_flags(http: argparse._ArgumentGroup) -> None:
@@ -280,6 +300,7 @@ def _run(app: FastAPI, aengine: AsyncEngine, args: argparse.Namespace,
         server.run()
     finally:
         aengine.shutdown()
+        aengine.engine.close()  # the disk tier's queued writes
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return bool(server.started)
