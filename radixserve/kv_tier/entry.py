@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import threading
 import zlib
 from dataclasses import asdict, dataclass
 
@@ -61,7 +62,7 @@ def write_entry(path: str, header: EntryHeader, payload: memoryview) -> int:
     head = header.encode()
     prefix = MAGIC + struct.pack("<I", len(head)) + head
     crc = zlib.crc32(payload, zlib.crc32(prefix))
-    tmp = f"{path}.{os.getpid()}.tmp"
+    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"  # unique per writer thread
     try:
         with open(tmp, "wb") as f:
             f.write(prefix)
@@ -115,6 +116,11 @@ def read_header(path: str) -> EntryHeader:
         return EntryHeader.decode(raw)
     except (ValueError, TypeError, KeyError) as exc:
         raise EntryError("corrupt", f"{path}: bad header ({exc})") from exc
+
+
+def entry_bytes(header: EntryHeader, payload_nbytes: int) -> int:
+    """The size of the entry's file, as write_entry writes it."""
+    return _PREFIX + len(header.encode()) + payload_nbytes + _CRC
 
 
 def payload_bytes(header: EntryHeader) -> int:

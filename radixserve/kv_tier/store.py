@@ -30,7 +30,14 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 
 from radixserve.kv_tier.blocks import ModelFingerprint
-from radixserve.kv_tier.entry import ERROR_KINDS, EntryError, EntryHeader, read_entry, write_entry
+from radixserve.kv_tier.entry import (
+    ERROR_KINDS,
+    EntryError,
+    EntryHeader,
+    entry_bytes,
+    read_entry,
+    write_entry,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -112,27 +119,32 @@ class TierStore:
         hexkey = key.hex()
         return os.path.join(self.dir, hexkey[:2], hexkey + ".kv")
 
-    def contains(self, key: bytes) -> bool:
-        """Whether the tier holds (or is about to write) the block; adopts an entry another
-        process wrote. Refreshes nothing: only a read counts as use."""
+    def contains(self, key: bytes, queued: bool = True) -> bool:
+        """Whether the tier holds the block (or, with `queued`, is about to write it); adopts
+        an entry another process wrote, with its pin. Refreshes nothing: only a read counts as
+        use."""
         with self._lock:
-            if key in self._index or key in self._pending:
+            if key in self._index or (queued and key in self._pending):
                 return True
+        path = self.path(key)
         try:
-            size = os.stat(self.path(key)).st_size
+            size = os.stat(path).st_size
         except OSError:
             return False
+        pin = _read_pin(path[: -len(".kv")] + ".pin")
         with self._lock:
             if key not in self._index:
                 self._index[key] = size
                 self._index.move_to_end(key, last=False)  # another's: least recent we know of
                 self._used += size
+                if pin is not None:
+                    self._pins[key] = max(pin, self._pins.get(key, _NOT_PINNED))
         return True
 
     def run_length(self, keys: list[bytes], first: int) -> int:
         """How many consecutive blocks from `keys[first]` on the tier holds."""
         n = 0
-        while first + n < len(keys) and self.contains(keys[first + n]):
+        while first + n < len(keys) and self.contains(keys[first + n], queued=False):
             n += 1
         return n
 
@@ -183,7 +195,9 @@ class TierStore:
             return q.all_tasks_done.wait_for(lambda: q.unfinished_tasks == 0, timeout)
 
     def close(self, timeout: float = 30.0) -> None:
-        """Finishes queued writes (up to `timeout`), then stops the writer."""
+        """Finishes queued writes (up to `timeout`), then stops the writer. Idempotent."""
+        if not self._writer.is_alive():
+            return
         if not self.flush(timeout):
             logger.warning("KV tier: %d writes still queued at shutdown were not written",
                            len(self._pending))
@@ -291,7 +305,8 @@ class TierStore:
 
     def _make_room(self, job: _Write) -> bool:
         """Deletes entries (LRU, pinned last) until the new one fits the capacity."""
-        need = job.nbytes + 4096  # the header and checksum, generously
+        # Exact: a header of a long block's token ids can outweigh any fixed allowance.
+        need = entry_bytes(job.header, job.nbytes)
         if need > self.capacity_bytes:
             return False
         while True:
@@ -315,12 +330,14 @@ class TierStore:
     def _write_pins(self, job: _Pin) -> None:
         for key in job.keys:
             with self._lock:
+                if not self.writable:
+                    return
                 if key not in self._index:
                     continue  # its write failed or was dropped: nothing to pin
                 until = max(self._pins.get(key, _NOT_PINNED), job.until)
                 self._pins[key] = until
             pin_path = self.path(key)[: -len(".kv")] + ".pin"
-            tmp = f"{pin_path}.{os.getpid()}.tmp"
+            tmp = _temp_name(pin_path)
             try:
                 with open(tmp, "w") as f:
                     f.write(repr(until))
@@ -379,8 +396,9 @@ class TierStore:
                         stat = item.stat()
                         found.append((stat.st_mtime, bytes.fromhex(name[:-3]), stat.st_size))
                     elif name.endswith(".pin"):
-                        with open(item.path) as f:
-                            pins[bytes.fromhex(name[:-4])] = float(f.read())
+                        pin = _read_pin(item.path)
+                        if pin is not None:
+                            pins[bytes.fromhex(name[:-4])] = pin
                     elif name.endswith(".tmp") and now - item.stat().st_mtime > _STALE_TEMP_S:
                         os.unlink(item.path)
                 except (OSError, ValueError):
@@ -397,13 +415,26 @@ class TierStore:
             if size is not None:
                 self._used -= size
             self._pins.pop(key, None)
-        if delete:
-            base = self.path(key)[: -len(".kv")]
-            for path in (base + ".kv", base + ".pin"):
-                try:
-                    os.unlink(path)
-                except OSError:
-                    pass
+        base = self.path(key)[: -len(".kv")]
+        for path in (base + ".kv", base + ".pin") if delete else (base + ".pin",):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+
+def _temp_name(path: str) -> str:
+    """A temporary name no other writer uses: processes by pid, stores in one process by
+    their writer thread."""
+    return f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+
+
+def _read_pin(path: str) -> float | None:
+    try:
+        with open(path) as f:
+            return float(f.read())
+    except (OSError, ValueError):
+        return None
 
 
 def _scandir(path: str) -> Iterable[os.DirEntry[str]]:
