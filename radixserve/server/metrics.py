@@ -7,15 +7,21 @@ counters, pool occupancy) come from a snapshot taken on the engine thread betwee
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from radixserve.cache.base import CacheStats
 from radixserve.engine.engine import LLMEngine, PoolStats
+from radixserve.kv_tier.store import LOAD_BUCKETS, TierStats
 from radixserve.vendors.usage import CacheUsage
 
 PREFIX = "radixserve:"
@@ -38,6 +44,8 @@ class EngineSnapshot:
     prefix_cache_hits: int
     computed_prompt_tokens: int
     preemptions: int
+    kv_tier_hits: int
+    tier: TierStats | None  # None without a disk tier
 
 
 def take_snapshot(engine: LLMEngine) -> EngineSnapshot:
@@ -52,6 +60,8 @@ def take_snapshot(engine: LLMEngine) -> EngineSnapshot:
         prefix_cache_hits=counters.prefix_cache_hits,
         computed_prompt_tokens=counters.computed_prompt_tokens,
         preemptions=counters.preemptions,
+        kv_tier_hits=counters.kv_tier_hits,
+        tier=engine.offload.store.stats() if engine.offload is not None else None,
     )
 
 
@@ -112,6 +122,45 @@ class _EngineCollector(Collector):
         yield slots
         yield gauge("prefix_cache_nodes", "Nodes (radix) or blocks (hash) in the prefix cache.",
                     snap.cache.nodes)
+        if snap.tier is not None:
+            yield from self._tier(snap, counter, gauge)
+
+    def _tier(self, snap: EngineSnapshot, counter: Callable[[str, str, float], Metric],
+              gauge: Callable[[str, str, float], Metric]) -> Iterator[Metric]:
+        tier = snap.tier
+        assert tier is not None
+        c = tier.counters
+        yield counter("kv_tier_hits", "Prompt tokens loaded from the disk KV tier instead of "
+                      "computed (part of prefix_cache_hits).", snap.kv_tier_hits)
+        yield counter("kv_tier_bytes_written", "Bytes of KV entries written to the tier.",
+                      c.bytes_written)
+        yield counter("kv_tier_bytes_read", "Bytes of KV read back from the tier.", c.bytes_read)
+        yield counter("kv_tier_dropped_writes", "Block writes dropped because the write queue "
+                      "was full.", c.dropped_writes)
+        yield gauge("kv_tier_entries", "Blocks held in the tier.", tier.entries)
+        yield gauge("kv_tier_pinned_entries", "Blocks under a live cache_control pin.",
+                    tier.pinned_entries)
+        yield gauge("kv_tier_disk_bytes", "Bytes the tier's entries take on disk.", tier.bytes)
+        yield gauge("kv_tier_capacity_bytes", "The tier's disk budget.", tier.capacity_bytes)
+        yield gauge("kv_tier_writable", "1 while the tier takes writes; 0 after a full disk or "
+                    "a read-only directory.", float(tier.writable))
+        errors = CounterMetricFamily(
+            PREFIX + "kv_tier_errors", "Tier entries that could not be used, by kind: missing, "
+            "truncated, corrupt, foreign (another block or model), io, write.",
+            labels=["model_name", "kind"])
+        for kind, count in c.errors.items():
+            errors.add_metric([self.model_name, kind], count)
+        yield errors
+        buckets, total = [], 0
+        for bound, count in zip(LOAD_BUCKETS, c.load_buckets, strict=True):
+            total += count
+            buckets.append((repr(bound), total))
+        buckets.append(("+Inf", c.load_count))
+        load = HistogramMetricFamily(
+            PREFIX + "kv_tier_load_seconds", "Time to load one request's blocks from the tier "
+            "into the KV pool (read, check, copy).", labels=["model_name"])
+        load.add_metric([self.model_name], buckets, c.load_seconds)
+        yield load
 
 
 class ServerMetrics:
