@@ -5,6 +5,7 @@ blocks; pins outlive a restart and expire on schedule; an aborted load frees eve
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import threading
@@ -16,6 +17,7 @@ from radixserve import LLM, SamplingParams
 from radixserve.config import EngineConfig
 from radixserve.engine.engine import LLMEngine
 from radixserve.server.accounting import OffsetClock
+from tests.test_kv_tier_store import _run as run_command
 from tests.test_prefix_cache_engine import _mixed_workload, _run_rounds
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -183,27 +185,47 @@ def _run(engine: LLMEngine, ids: list[int], pins=None) -> None:
 def test_a_pin_outlives_a_restart_and_expires_on_schedule(model_path, tmp_path, off):
     tok = off.tokenizer
     prefix = tok.encode("Standing instructions for the night shift. " * 12)
+    tail = tok.encode(" A first question, asked at some length, about the rota?" * 3)
+    pinned = len(prefix) // 16 * 16
     clock = OffsetClock()
     engine = _engine(model_path, tmp_path, clock)
-    _run(engine, prefix + tok.encode(" First question?"), pins=[(len(prefix), 3600.0)])
+    _run(engine, prefix + tail, pins=[(len(prefix), 3600.0)])
     engine.close()
-    assert engine.offload.store.stats().pinned_entries == len(prefix) // 16
+    assert engine.offload.store.stats().pinned_entries == pinned // 16
 
     clock = OffsetClock()
     clock.advance(1800)  # half an hour later, a new process
     engine = _engine(model_path, tmp_path, clock)
     store = engine.offload.store
-    assert store.stats().pinned_entries == len(prefix) // 16
-    _run(engine, prefix + tok.encode(" Second question?"))
-    assert engine.scheduler.counters.kv_tier_hits == len(prefix) // 16 * 16
-    # Loaded, the prefix is pinned in the pool too, for the half hour it has left.
-    assert engine.pool_stats().pinned == len(prefix) // 16 * 16
+    assert store.stats().pinned_entries == pinned // 16
+    # The load runs past the pinned prefix (the tail's blocks are on disk too) ...
+    _run(engine, prefix + tail + tok.encode(" And a second one?"))
+    assert engine.scheduler.counters.kv_tier_hits == (len(prefix) + len(tail)) // 16 * 16
+    # ... and the pinned part is pinned in the pool too, for the half hour it has left.
+    assert engine.pool_stats().pinned == pinned
     clock.advance(1700)  # (real seconds pass too: a margin for them)
     assert engine.pool_stats().pinned > 0 and store.stats().pinned_entries > 0
     clock.advance(200)
     assert engine.pool_stats().pinned == 0
     assert store.stats().pinned_entries == 0
     assert all(store.pinned_until(k) == float("-inf") for k in list(store._index))
+    engine.close()
+
+
+def test_loading_requests_count_against_max_num_seqs(model_path, tmp_path, off):
+    prompts = [off.tokenizer.encode(f"Chapter {i} of the almanac, on tides and moons. " * 6)
+               for i in range(3)]
+    engine = _engine(model_path, tmp_path, OffsetClock())
+    for prompt in prompts:
+        _run(engine, prompt)
+    engine.close()
+    engine = _engine(model_path, tmp_path, OffsetClock(), max_num_seqs=1)
+    for prompt in prompts:
+        engine.add_request(prompt + [13], GREEDY)
+    while engine.has_unfinished_requests():
+        engine.step()
+        assert len(engine.scheduler.running) + len(engine.scheduler.loading) <= 1
+    assert engine.scheduler.counters.kv_tier_hits >= 3 * 16
     engine.close()
 
 
@@ -229,9 +251,9 @@ def test_aborting_a_request_while_it_loads_frees_everything(model_path, tmp_path
     release = threading.Event()
     real_read = engine.offload.store.read
 
-    def slow_read(key):
+    def slow_read(key, *args):
         release.wait(10)
-        return real_read(key)
+        return real_read(key, *args)
 
     monkeypatch.setattr(engine.offload.store, "read", slow_read)
     request_id = engine.add_request(prompt + [13], GREEDY)
@@ -246,3 +268,28 @@ def test_aborting_a_request_while_it_loads_frees_everything(model_path, tmp_path
     assert stats.balanced and stats.private == 0 and stats.protected == 0, stats
     engine.close()
     assert os.path.isdir(engine.offload.store.dir)
+
+
+def test_a_full_disk_leaves_serving_untouched(model_path, tmp_path, rounds, expected, caplog):
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root (tests/test_kv_tier_store.py covers a "
+                    "full disk by a file-size limit too)")
+    root = tmp_path / "small"
+    root.mkdir()
+    why = run_command("mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(root))
+    if why:
+        pytest.skip(f"cannot mount a small tmpfs ({why})")
+    try:
+        with caplog.at_level(logging.WARNING, logger="radixserve.kv_tier.store"):
+            with LLM(str(model_path), **_settings(kv_offload_dir=str(root))) as llm:
+                assert _run_rounds(llm, rounds) == expected
+                llm.engine.offload.store.flush()
+                assert _run_rounds(llm, rounds) == expected  # still serving, and the same
+                stats = llm.engine.offload.store.stats()
+                _assert_idle(llm)
+    finally:
+        run_command("umount", str(root))
+    assert not stats.writable and stats.counters.errors["write"] >= 1
+    assert stats.entries > 0  # what fitted was written, and is still read
+    stopped = [r for r in caplog.records if "without writing" in r.getMessage()]
+    assert len(stopped) == 1, [r.getMessage() for r in caplog.records]

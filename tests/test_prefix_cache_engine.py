@@ -246,3 +246,18 @@ def test_kv_read_through_slot_runs_matches_cache_off(radix_float, off_float, mon
     assert got == _run_rounds(off, rounds)
     assert any(plan.segments and any(s[0] for s in plan.segments) for plan in plans)
     _assert_idle(radix)
+
+
+def test_max_tokens_0_samples_nothing_when_the_prompt_is_cached(radix, off):
+    # A cached prompt leaves one token to compute, which must not be treated as a decode step
+    # (a decode samples a token): cache on must give cache off's empty output.
+    prompt = radix.tokenizer.encode("Only the prompt is wanted here, nothing after it. " * 4)
+    params = SamplingParams(max_tokens=0, temperature=0)
+    expected = off.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+    assert expected.outputs[0].token_ids == []
+    for _ in range(2):
+        result = radix.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+        assert result.outputs[0].token_ids == []
+        assert result.outputs[0].finish_reason == expected.outputs[0].finish_reason
+    assert result.num_cached_tokens == len(prompt) - 1
+    _assert_idle(radix)

@@ -33,7 +33,7 @@ from radixserve.engine.setup import (
 )
 from radixserve.engine.structured_output import GrammarCompiler
 from radixserve.kernels.cpu import describe as describe_cpu
-from radixserve.kv_tier.blocks import ModelFingerprint, weights_identity
+from radixserve.kv_tier.blocks import ModelFingerprint, namespace_text, weights_identity
 from radixserve.kv_tier.store import TierStore
 from radixserve.outputs import RequestOutput
 from radixserve.sampling_params import SamplingParams
@@ -149,6 +149,11 @@ class LLMEngine:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if self.offload is not None:
+            try:
+                namespace_text(namespace)  # the tier keys entries by it
+            except TypeError as exc:
+                raise ValueError(str(exc)) from exc
         text = prompt if isinstance(prompt, str) else None
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.check_prompt(ids, params)

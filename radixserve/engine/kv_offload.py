@@ -12,6 +12,7 @@ as much as writing its K/V once more, next to a prefill that cost a full forward
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import math
 import time
@@ -35,7 +36,10 @@ NOT_PINNED = -math.inf
 class LoadResult:
     end: int  # the request's KV is valid up to this position (at least where the load began)
     loaded_tokens: int
-    pinned_until: float  # engine clock: the loaded prefix's pin, or NOT_PINNED
+    # The longest loaded prefix whose blocks are all under a live pin (0: none), and when the
+    # first of those pins ends, on the engine's clock.
+    pinned_end: int
+    pinned_until: float
 
 
 class TierLoad:
@@ -62,11 +66,15 @@ class KVOffload:
         self.num_layers = len(pool.layers)
         self.num_kv_heads, _, self.head_dim = layer.k.shape
         self.dtype = layer.k.dtype
+        self.device = layer.k.device
         self.block_shape = (self.num_layers, 2, self.num_kv_heads, block_tokens, self.head_dim)
         self.block_bytes = math.prod(self.block_shape) * layer.k.element_size()
         self._fingerprint = store.fingerprint.digest
         self._loader = concurrent.futures.ThreadPoolExecutor(1, "kv-tier-loader")
+        # Hints have a thread of their own, so a burst of them never delays a load.
+        self._prefetcher = concurrent.futures.ThreadPoolExecutor(1, "kv-tier-prefetch")
         self._closed = False
+        self._staging: torch.Tensor | None = None  # the writer thread's block buffer
 
     # ----- keys -----
 
@@ -83,36 +91,54 @@ class KVOffload:
 
     # ----- writes -----
 
-    def write_through(self, request: Request, end: int) -> None:
-        """Queues the blocks that the request's cached KV (`end` tokens) now completes."""
+    def write_through(self, request: Request, end: int) -> concurrent.futures.Future | None:
+        """Queues the blocks that the request's cached KV (`end` tokens) now completes; see
+        `_write` for the future returned."""
         keys = self.keys(request, end)
         first, request.tier_blocks_done = request.tier_blocks_done, max(request.tier_blocks_done,
                                                                         len(keys))
-        self._write(request, [j for j in range(first, len(keys))
-                              if not self.store.contains(keys[j])], forced=False)
+        missing = []
+        for j in range(first, len(keys)):
+            if self.store.contains(keys[j]):
+                # Used again (from the pool): keep it late in the tier's LRU too, or the
+                # hottest prefixes, never read back from disk, would be the first to go.
+                self.store.touch(keys[j])
+            else:
+                missing.append(j)
+        return self._write(request, missing, forced=False)
 
-    def pin(self, request: Request, end: int, expires_at: float) -> None:
+    def pin(self, request: Request, end: int,
+            expires_at: float) -> concurrent.futures.Future | None:
         """Pins the blocks of the request's first `end` tokens (cached in the pool) until the
         engine-clock time `expires_at`, writing any the tier lacks: a pinned prefix must
         survive a crash."""
         keys = self.keys(request, end)
         missing = [j for j, key in enumerate(keys) if not self.store.contains(key)]
-        self._write(request, missing, forced=True)
+        written = self._write(request, missing, forced=True)
         self.store.pin(keys, self.store.wall_clock() + (expires_at - self.clock()))
+        return written
 
-    def _write(self, request: Request, blocks: list[int], forced: bool) -> None:
+    def _write(self, request: Request, blocks: list[int],
+               forced: bool) -> concurrent.futures.Future | None:
+        """Queues the blocks' writes. The writer thread copies each block out of the pool
+        itself, so the step pays nothing for it; until the returned future is done the
+        caller keeps the request's cached prefix locked, so those slots stay as they are.
+        None when nothing was queued."""
         if not blocks or not self.store.writable:
-            return
+            return None
         if not forced and not self.store.has_room(len(blocks) * self.block_bytes):
-            self.store.count_dropped(len(blocks))  # not even copied out: the queue is full
-            return
-        size = self.block_tokens
-        slots = [s for j in blocks for s in request.slots[j * size : (j + 1) * size]]
-        gathered = self._gather(slots)
-        keys = request.tier_keys
-        now = self.store.wall_clock()
-        for i, j in enumerate(blocks):
-            block = gathered[:, :, :, i * size : (i + 1) * size]
+            self.store.count_dropped(len(blocks))
+            return None
+        size, keys, now = self.block_tokens, request.tier_keys, self.store.wall_clock()
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        remaining = [len(blocks)]
+
+        def one_done() -> None:  # on the writer thread, or here when nothing was queued
+            remaining[0] -= 1
+            if remaining[0] == 0:
+                done.set_result(None)
+
+        for j in blocks:
             header = EntryHeader(
                 key=keys[j].hex(),
                 parent=(keys[j - 1] if j else self._fingerprint).hex(),
@@ -124,18 +150,27 @@ class KVOffload:
                 shape=self.block_shape,
                 created=now,
             )
-            self.store.put(keys[j], header, _payload(block), self.block_bytes, forced=forced)
+            slots = request.slots[j * size : (j + 1) * size]
+            self.store.put(keys[j], header, functools.partial(self._copy_out, slots),
+                           self.block_bytes, forced=forced, on_done=one_done)
+        return done
 
-    def _gather(self, slots: list[int]) -> torch.Tensor:
-        """[layers, 2, kv heads, len(slots), head dim]: a copy, made now, while the slots
-        still hold this KV."""
-        index = torch.tensor(slots, dtype=torch.long)
-        out = torch.empty((self.num_layers, 2, self.num_kv_heads, len(slots), self.head_dim),
-                          dtype=self.dtype)
+    def _copy_out(self, slots: list[int]) -> memoryview:
+        """One block's K/V as bytes, on the writer thread, into a buffer it reuses (the
+        store writes it before asking for the next)."""
+        if self._staging is None:
+            self._staging = torch.empty(self.block_shape, dtype=self.dtype)
+        out, first = self._staging, slots[0]
+        contiguous = slots == list(range(first, first + len(slots)))
+        index = None if contiguous else torch.tensor(slots, dtype=torch.long,
+                                                     device=self.device)
         for i, layer in enumerate(self.pool.layers):
-            torch.index_select(layer.k, 1, index, out=out[i, 0])
-            torch.index_select(layer.v, 1, index, out=out[i, 1])
-        return out
+            for kv, source in enumerate((layer.k, layer.v)):
+                if index is None:
+                    out[i, kv].copy_(source[:, first : first + len(slots)])
+                else:
+                    out[i, kv].copy_(source.index_select(1, index))
+        return memoryview(out.view(torch.uint8).numpy()).cast("B")
 
     # ----- reads -----
 
@@ -146,7 +181,7 @@ class KVOffload:
         first = matched // self.block_tokens
         run = self.store.run_length(keys, first)
         for key in keys[first : first + run]:
-            self._loader.submit(self.store.advise, key)
+            self._prefetcher.submit(self.store.advise, key)
 
     def start_load(self, request: Request, matched: int) -> TierLoad | None:
         """Starts loading the blocks the tier holds right after the pool's match (of
@@ -167,47 +202,59 @@ class KVOffload:
               matched: int) -> LoadResult:
         started = time.perf_counter()
         size = self.block_tokens
+        dtype_name = str(self.dtype).removeprefix("torch.")
         end = matched
-        pinned_until = math.inf
+        pinned_end, pinned_until = 0, math.inf
         for j in blocks:
             if load.cancelled:
                 break
             try:
                 header, payload = self.store.read(keys[j])
-                if header.shape != self.block_shape or header.dtype != str(self.dtype).removeprefix(
-                        "torch."):
+                if header.shape != self.block_shape or header.dtype != dtype_name:
                     raise EntryError("foreign", f"block {header.key[:12]} has shape "
                                      f"{header.shape} {header.dtype}")
             except EntryError:
                 break  # computed instead, from here on
             data = torch.frombuffer(payload, dtype=self.dtype).view(self.block_shape)
             skip = max(0, matched - j * size)  # positions the pool already had
-            index = torch.tensor(slots[j * size + skip : (j + 1) * size], dtype=torch.long)
-            for i, layer in enumerate(self.pool.layers):
-                layer.k.index_copy_(1, index, data[i, 0, :, skip:])
-                layer.v.index_copy_(1, index, data[i, 1, :, skip:])
+            self._copy_in(data[:, :, :, skip:].to(self.device),
+                          slots[j * size + skip : (j + 1) * size])
             end = (j + 1) * size
-            pinned_until = min(pinned_until, self.store.pinned_until(keys[j]))
-        loaded = end - matched
-        if loaded <= 0 or pinned_until in (math.inf, NOT_PINNED):
-            pin = NOT_PINNED
-        else:
-            pin = self.clock() + (pinned_until - self.store.wall_clock())
-        if loaded > 0:
+            pin = self.store.pinned_until(keys[j])
+            if pin != NOT_PINNED and pinned_end == j * size:  # pins cover prefixes: no gaps
+                pinned_end, pinned_until = end, min(pinned_until, pin)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # in the pool before use
+        loaded = max(end - matched, 0)
+        if loaded:
             self.store.record_load(time.perf_counter() - started)
-        return LoadResult(end=max(end, matched), loaded_tokens=max(loaded, 0), pinned_until=pin)
+        if pinned_end:  # the wall-clock expiry, on the engine's clock
+            pinned_until = self.clock() + (pinned_until - self.store.wall_clock())
+        else:
+            pinned_until = NOT_PINNED
+        return LoadResult(end=max(end, matched), loaded_tokens=loaded, pinned_end=pinned_end,
+                          pinned_until=pinned_until)
+
+    def _copy_in(self, data: torch.Tensor, slots: list[int]) -> None:
+        """Writes a block's K/V ([layers, 2, heads, tokens, dim]) into the pool's slots: a
+        plain copy where the slots run contiguously (the allocator's usual gift)."""
+        first = slots[0]
+        if slots == list(range(first, first + len(slots))):
+            for i, layer in enumerate(self.pool.layers):
+                layer.k[:, first : first + len(slots)].copy_(data[i, 0])
+                layer.v[:, first : first + len(slots)].copy_(data[i, 1])
+            return
+        index = torch.tensor(slots, dtype=torch.long, device=self.device)
+        for i, layer in enumerate(self.pool.layers):
+            layer.k.index_copy_(1, index, data[i, 0])
+            layer.v.index_copy_(1, index, data[i, 1])
 
     def close(self, timeout: float = 30.0) -> None:
         """Stops loading and finishes the queued writes (up to `timeout`). Idempotent."""
         if self._closed:
             return
         self._closed = True
+        self._prefetcher.shutdown(wait=True, cancel_futures=True)
         self._loader.shutdown(wait=True, cancel_futures=True)
         self.store.close(timeout)
 
-
-def _payload(block: torch.Tensor) -> Callable[[], memoryview]:
-    """The block's bytes, made contiguous when the writer asks (on its thread)."""
-    def make() -> memoryview:
-        return memoryview(block.contiguous().view(torch.uint8).numpy()).cast("B")
-    return make

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from radixserve.cache.base import PrefixCache
+from radixserve.cache.base import CacheHandle, PrefixCache
 from radixserve.config import EngineConfig
 from radixserve.engine.kv_pool import OutOfSlots, PageAllocator
 from radixserve.engine.request import Request, RequestStatus
@@ -69,7 +69,8 @@ class SchedulerOutput:
 class TierLoadResult(Protocol):
     end: int  # the request's KV is valid up to here
     loaded_tokens: int
-    pinned_until: float  # the loaded prefix's pin on the scheduler's clock; -inf: none
+    pinned_end: int  # the loaded tokens start a prefix this long under a live pin (0: none)
+    pinned_until: float  # when that pin ends, on the scheduler's clock
 
 
 class TierLoad(Protocol):
@@ -89,11 +90,15 @@ class KVTier(Protocol):
         """Starts loading the blocks past the pool's match into the request's slots."""
         ...
 
-    def write_through(self, request: Request, end: int) -> None:
-        """The request's first `end` tokens are cached now: queue their new blocks."""
+    def write_through(self, request: Request, end: int) -> concurrent.futures.Future | None:
+        """The request's first `end` tokens are cached now: queue their new blocks. Until the
+        future is done the writer reads their slots: the caller keeps them locked."""
         ...
 
-    def pin(self, request: Request, end: int, expires_at: float) -> None: ...
+    def pin(self, request: Request, end: int,
+            expires_at: float) -> concurrent.futures.Future | None:
+        """Pins the request's first `end` tokens in the tier (writing what it lacks)."""
+        ...
 
 
 @dataclass
@@ -127,6 +132,8 @@ class Scheduler:
         self.loading: dict[Request, TierLoad] = {}  # admitted, their tier blocks on the way
         # Slots of requests that ended while loading: the loader may still write them.
         self._abandoned: list[tuple[list[int], TierLoad]] = []
+        # Cached prefixes locked while the tier's writer copies blocks out of them.
+        self._writing: list[tuple[CacheHandle | None, concurrent.futures.Future]] = []
         self.counters = SchedulerCounters()
 
     # ----- queue management -----
@@ -138,7 +145,8 @@ class Scheduler:
             self.tier.prefetch(request, self.cache.match_prefix(request.namespace, lookup).length)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.loading or self._abandoned)
+        return bool(self.waiting or self.running or self.loading or self._abandoned
+                    or self._writing)
 
     def finish(self, request: Request, reason: FinishReason, keep_kv: bool = True) -> None:
         """Ends a request wherever it is; releases every slot and lock it holds, once.
@@ -166,11 +174,12 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         self._collect_loads()
         out = self._plan()
-        if out.empty and (self.loading or self._abandoned):
-            # Nothing to compute until a load lands: wait for one (briefly, so the caller
-            # still gets to its inbox) rather than spin.
+        if out.empty and (self.loading or self._abandoned or self._writing):
+            # Nothing to compute until a load or write lands: wait for one (briefly, so the
+            # caller still gets to its inbox) rather than spin.
             futures = [load.future for load in self.loading.values()]
             futures += [load.future for _, load in self._abandoned]
+            futures += [future for _, future in self._writing]
             concurrent.futures.wait(futures, timeout=0.05,
                                     return_when=concurrent.futures.FIRST_COMPLETED)
             self._collect_loads()
@@ -197,7 +206,9 @@ class Scheduler:
         """Adds the request's next tokens to the step (one decode token, or a prefill chunk
         within `budget`); returns how many."""
         todo = request.num_tokens - request.num_computed
-        if todo == 1:
+        # The prompt's last token of a request that only scores its prompt (max_tokens 0) is
+        # a prefill chunk, so that nothing is sampled for it.
+        if todo == 1 and (request.params.max_tokens or request.output_token_ids):
             out.decodes.append(request)
             return 1
         chunk = min(todo, budget)
@@ -258,7 +269,7 @@ class Scheduler:
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         for request in self._admission_order():
-            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+            if budget <= 0 or len(self.running) + len(self.loading) >= self.config.max_num_seqs:
                 return
             if self._waits_for_shared_prefill(request):
                 continue
@@ -316,7 +327,7 @@ class Scheduler:
         need_pages = -(-need_tokens // self.page_size)
         # Headroom of one page per running request keeps the next decode step from
         # preempting what was just admitted.
-        headroom = len(self.running) * self.page_size
+        headroom = (len(self.running) + len(self.loading)) * self.page_size
         available = self.allocator.free_slots + self.cache.stats().evictable_tokens
         if need_pages * self.page_size + headroom > available and self.running:
             self.cache.unlock(match.handle)
@@ -329,14 +340,24 @@ class Scheduler:
             self._release(request, publish=False)
             return None
         self.waiting.remove(request)
+        if request.num_cached_tokens is None:  # once per request, as the hit counters count
         self._apply_pins(request)
-        load = self.tier.start_load(request, match.length) if self.tier and reads_cache else None
+        load = self._start_load(request) if reads_cache else None
         if load is not None:
             request.status = RequestStatus.LOADING
             self.loading[request] = load
             return request
         self._start(request, reads_cache, loaded=0)
         return request
+
+    def _start_load(self, request: Request) -> TierLoad | None:
+        if self.tier is None:
+            return None
+        try:
+            return self.tier.start_load(request, request.num_computed)
+        except Exception:  # the tier is an optimisation: never a reason to fail a request
+            logger.exception("KV tier: cannot start a load for request %s", request.request_id)
+            return None
 
     def _start(self, request: Request, reads_cache: bool, loaded: int) -> None:
         """Moves an admitted request into the running batch; counts its cache hit once."""
@@ -351,7 +372,8 @@ class Scheduler:
                 self.counters.kv_tier_hits += loaded
 
     def _collect_loads(self) -> None:
-        """Starts the requests whose loads landed; frees the slots of abandoned ones."""
+        """Starts the requests whose loads landed; unlocks what the writer has copied; frees
+        the slots of abandoned loads."""
         for request, load in list(self.loading.items()):
             if not load.future.done():
                 continue
@@ -364,12 +386,20 @@ class Scheduler:
             if result is not None and result.loaded_tokens:
                 request.num_computed = result.end
                 self.publish(request)
-                if result.pinned_until > self.clock():  # a pin that outlived a restart
-                    match = self.cache.match_prefix(request.namespace,
-                                                    request.token_ids[: request.cache_len])
+                if result.pinned_end and result.pinned_until > self.clock():
+                    # A pin that outlived a restart: the pool keeps it for the time it has left.
+                    end = min(result.pinned_end, request.cache_len)
+                    match = self.cache.match_prefix(request.namespace, request.token_ids[:end])
                     self.cache.pin(match.handle, result.pinned_until)
             self._start(request, reads_cache=True,
                         loaded=result.loaded_tokens if result is not None else 0)
+        writing = []
+        for handle, future in self._writing:
+            if future.done():
+                self.cache.unlock(handle)
+            else:
+                writing.append((handle, future))
+        self._writing = writing
         still = []
         for slots, load in self._abandoned:
             if load.future.done():
@@ -409,7 +439,7 @@ class Scheduler:
         request.cache_handle = result.handle
         request.cache_len = aligned
         if self.tier is not None:
-            self.tier.write_through(request, aligned)
+            self._hold_for_writer(request, self.tier.write_through(request, aligned))
         self._apply_pins(request)
 
     def _apply_pins(self, request: Request) -> None:
@@ -425,8 +455,17 @@ class Scheduler:
                 match = self.cache.match_prefix(request.namespace, request.token_ids[:aligned])
                 self.cache.pin(match.handle, request.arrival_time + ttl)
                 if self.tier is not None:
-                    self.tier.pin(request, aligned, request.arrival_time + ttl)
+                    self._hold_for_writer(request, self.tier.pin(request, aligned,
+                                                                 request.arrival_time + ttl))
         request.pins = waiting
+
+    def _hold_for_writer(self, request: Request,
+                         written: concurrent.futures.Future | None) -> None:
+        """Keeps the request's cached prefix from eviction until the tier's writer has copied
+        the blocks it was handed (`_collect_loads` lets go)."""
+        if written is not None:
+            self.cache.lock(request.cache_handle)
+            self._writing.append((request.cache_handle, written))
 
     def _release(self, request: Request, publish: bool) -> None:
         if publish:

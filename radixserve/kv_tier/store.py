@@ -80,6 +80,7 @@ class _Write:
     payload: Callable[[], memoryview]  # made on the writer thread: the copy costs no step time
     nbytes: int
     forced: bool
+    on_done: Callable[[], None] | None
 
 
 @dataclass
@@ -141,6 +142,13 @@ class TierStore:
                     self._pins[key] = max(pin, self._pins.get(key, _NOT_PINNED))
         return True
 
+    def touch(self, key: bytes) -> None:
+        """Marks a block as just used (its LRU place; a restart keeps the order it had)."""
+        with self._lock:
+            if key not in self._index:
+                return
+            self._index.move_to_end(key)
+
     def run_length(self, keys: list[bytes], first: int) -> int:
         """How many consecutive blocks from `keys[first]` on the tier holds."""
         n = 0
@@ -166,21 +174,30 @@ class TierStore:
             self.counters.dropped_writes += writes
 
     def put(self, key: bytes, header: EntryHeader, payload: Callable[[], memoryview],
-            nbytes: int, forced: bool = False) -> bool:
-        """Queues a block's write. Unforced writes are dropped (and counted) when the queue
-        is full or the directory takes no writes; forced ones (pinned prefixes) never are."""
+            nbytes: int, forced: bool = False,
+            on_done: Callable[[], None] | None = None) -> bool:
+        """Queues a block's write; whether the tier has or will have the block. Unforced
+        writes are dropped (and counted) when the queue is full or the directory takes no
+        writes; forced ones (pinned prefixes) never are. `on_done` is called once the payload
+        is no longer needed: by the writer after the job, or at once when nothing was queued."""
         with self._lock:
+            queued = False
             if key in self._index or key in self._pending:
-                return True
-            if not self.writable:
-                return False
-            if not forced and self._queued_bytes + nbytes > self.queue_bytes:
+                held = True
+            elif not self.writable:
+                held = False
+            elif not forced and self._queued_bytes + nbytes > self.queue_bytes:
                 self.counters.dropped_writes += 1
-                return False
-            self._pending.add(key)
-            self._queued_bytes += nbytes
-        self._queue.put(_Write(key, header, payload, nbytes, forced))
-        return True
+                held = False
+            else:
+                self._pending.add(key)
+                self._queued_bytes += nbytes
+                held = queued = True
+        if queued:
+            self._queue.put(_Write(key, header, payload, nbytes, forced, on_done))
+        elif on_done is not None:
+            on_done()
+        return held
 
     def pin(self, keys: list[bytes], until: float) -> None:
         """Pins blocks until the wall-clock time `until` (extending, never shortening), after
@@ -285,6 +302,8 @@ class TierStore:
                         self._pending.discard(job.key)
                         self._queued_bytes -= job.nbytes
             finally:
+                if isinstance(job, _Write) and job.on_done is not None:
+                    job.on_done()
                 self._queue.task_done()
 
     def _write(self, job: _Write) -> None:
@@ -299,8 +318,9 @@ class TierStore:
             self._pending.discard(job.key)
             self._queued_bytes -= job.nbytes
             if written:
+                # The key may have been adopted meanwhile (another process wrote it first).
+                self._used += written - self._index.get(job.key, 0)
                 self._index[job.key] = written
-                self._used += written
                 self.counters.bytes_written += written
 
     def _make_room(self, job: _Write) -> bool:
