@@ -765,3 +765,26 @@ def test_a_full_disk_stops_writes_and_keeps_reads(tmp_path: Path, how: str) -> N
     }
     # 1 MiB holds some 64 KiB entries before it is full; 16 KiB per file holds none.
     assert (report["big_kept"] > 0) == (how == "small-tmpfs")
+
+
+def test_read_into_caller_buffers_checks_like_a_plain_read(tmp_path: Path, open_store) -> None:
+    # The engine reads a block straight into the KV pool's memory, one buffer per run: in
+    # more pieces than one preadv call takes, and a damaged file must still be refused.
+    store = open_store(tmp_path)
+    block = make_blocks(1, seed=77)[0]
+    put(store, block)
+    assert store.flush(10)
+    size = len(block.payload)
+    pieces = 700  # more than the 512 buffers one call is given
+    cuts = sorted({0, size, *(size * i // pieces for i in range(1, pieces))})
+    targets = [memoryview(bytearray(b - a)) for a, b in zip(cuts, cuts[1:], strict=False)]
+    header, payload = store.read(block.key, into=lambda header: targets)
+    assert payload is None and header.key == block.key.hex()
+    assert b"".join(bytes(t) for t in targets) == bytes(block.payload)
+    path = Path(store.path(block.key))
+    data = bytearray(path.read_bytes())
+    data[-10] ^= 1  # in the payload's last bytes
+    path.write_bytes(bytes(data))
+    with pytest.raises(EntryError) as refused:
+        store.read(block.key, into=lambda header: targets)
+    assert refused.value.kind == "corrupt"

@@ -75,6 +75,7 @@ class KVOffload:
         self._prefetcher = concurrent.futures.ThreadPoolExecutor(1, "kv-tier-prefetch")
         self._closed = False
         self._staging: torch.Tensor | None = None  # the writer thread's block buffer
+        self._pool_bytes: list | None = None  # the loader thread's views of the pool
 
     # ----- keys -----
 
@@ -208,17 +209,19 @@ class KVOffload:
         for j in blocks:
             if load.cancelled:
                 break
+            skip = max(0, matched - j * size)  # positions the pool already had
+            block_slots = slots[j * size + skip : (j + 1) * size]
             try:
-                header, payload = self.store.read(keys[j])
+                header, payload = self.store.read(
+                    keys[j], functools.partial(self._pool_targets, block_slots, skip))
                 if header.shape != self.block_shape or header.dtype != dtype_name:
                     raise EntryError("foreign", f"block {header.key[:12]} has shape "
                                      f"{header.shape} {header.dtype}")
             except EntryError:
                 break  # computed instead, from here on
-            data = torch.frombuffer(payload, dtype=self.dtype).view(self.block_shape)
-            skip = max(0, matched - j * size)  # positions the pool already had
-            self._copy_in(data[:, :, :, skip:].to(self.device),
-                          slots[j * size + skip : (j + 1) * size])
+            if payload is not None:  # not read in place: copy it over
+                data = torch.frombuffer(payload, dtype=self.dtype).view(self.block_shape)
+                self._copy_in(data[:, :, :, skip:].to(self.device), block_slots)
             end = (j + 1) * size
             pin = self.store.pinned_until(keys[j])
             if pin != NOT_PINNED and pinned_end == j * size:  # pins cover prefixes: no gaps
@@ -234,6 +237,23 @@ class KVOffload:
             pinned_until = NOT_PINNED
         return LoadResult(end=max(end, matched), loaded_tokens=loaded, pinned_end=pinned_end,
                           pinned_until=pinned_until)
+
+    def _pool_targets(self, slots: list[int], skip: int,
+                      header: EntryHeader) -> list[memoryview] | None:
+        """Where in the pool a whole block's file can be read in place: one run of B x dim
+        per layer, K/V and head, in the file's order. None unless the block is whole, its
+        slots one run in a CPU pool, and its header the shape expected."""
+        first = slots[0]
+        if (skip or self.device.type != "cpu" or header.shape != self.block_shape
+                or header.dtype != str(self.dtype).removeprefix("torch.")
+                or slots != list(range(first, first + len(slots)))):
+            return None
+        end = first + len(slots)
+        if self._pool_bytes is None:  # numpy views of the pool: slicing them costs ~nothing
+            self._pool_bytes = [source.view(torch.uint8).numpy()
+                                for layer in self.pool.layers for source in (layer.k, layer.v)]
+        return [memoryview(pool[h, first:end]).cast("B") for pool in self._pool_bytes
+                for h in range(self.num_kv_heads)]
 
     def _copy_in(self, data: torch.Tensor, slots: list[int]) -> None:
         """Writes a block's K/V ([layers, 2, heads, tokens, dim]) into the pool's slots: a

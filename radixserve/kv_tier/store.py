@@ -35,6 +35,7 @@ from radixserve.kv_tier.entry import (
     EntryError,
     EntryHeader,
     entry_bytes,
+    payload_bytes,
     read_entry,
     write_entry,
 )
@@ -223,12 +224,15 @@ class TierStore:
 
     # ----- reads (loader thread) -----
 
-    def read(self, key: bytes) -> tuple[EntryHeader, memoryview]:
-        """Reads a block; refreshes its LRU place. A bad entry is deleted, counted and raised
-        as EntryError (the caller computes instead)."""
+    def read(self, key: bytes,
+             into: Callable[[EntryHeader], list[memoryview] | None] | None = None,
+             ) -> tuple[EntryHeader, memoryview | None]:
+        """Reads a block (straight into buffers `into` names: see read_entry); refreshes its
+        LRU place. A bad entry is deleted, counted and raised as EntryError (the caller
+        computes instead)."""
         path = self.path(key)
         try:
-            header, payload = read_entry(path, key.hex(), self.fingerprint_hex)
+            header, payload = read_entry(path, key.hex(), self.fingerprint_hex, into)
         except EntryError as exc:
             logger.warning("KV tier: %s entry: %s", exc.kind, exc)
             with self._lock:
@@ -238,7 +242,7 @@ class TierStore:
         with self._lock:
             if key in self._index:
                 self._index.move_to_end(key)
-            self.counters.bytes_read += payload.nbytes
+            self.counters.bytes_read += payload_bytes(header)
         try:
             os.utime(path)  # keeps the LRU order across restarts
         except OSError:
