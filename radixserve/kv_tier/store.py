@@ -48,6 +48,7 @@ _NOT_PINNED = -math.inf
 # Errors that mean "this directory takes no more writes": stop writing, keep serving.
 _FATAL_WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM,
                        errno.EFBIG}
+_WRITER_NICE = 10
 _STALE_TEMP_S = 600.0  # a temporary file this old is a crashed write, not one in progress
 
 
@@ -288,6 +289,12 @@ class TierStore:
     # ----- the writer thread -----
 
     def _write_loop(self) -> None:
+        # Below the engine's threads: writes fill the CPU's idle moments first, and a writer
+        # that falls behind drops (and counts) writes rather than slowing the steps.
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _WRITER_NICE)
+        except (AttributeError, OSError):  # not Linux, or not allowed: normal priority
+            pass
         while True:
             job = self._queue.get()
             if job is None:
