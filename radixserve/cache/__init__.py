@@ -16,7 +16,9 @@ from radixserve.cache.base import (
     MatchResult,
     Namespace,
     PrefixCache,
+    PrefixNode,
     ReleaseFn,
+    TreeSummary,
 )
 from radixserve.cache.block_hash import BlockHashCache
 from radixserve.cache.no_cache import NoCache
@@ -53,7 +55,9 @@ __all__ = [
     "Namespace",
     "NoCache",
     "PrefixCache",
+    "PrefixNode",
     "RadixCache",
     "ReleaseFn",
+    "TreeSummary",
     "make_prefix_cache",
 ]

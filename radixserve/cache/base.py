@@ -70,6 +70,32 @@ class CacheStats:
         return self.evictable_tokens + self.protected_tokens + self.pinned_tokens
 
 
+@dataclass(frozen=True)
+class PrefixNode:
+    """One tree node as `PrefixCache.top_prefixes` reports it."""
+
+    node_id: int  # stable while the node lives (splitting an edge gives the upper part a new id)
+    parent_id: int | None  # None for a child of the root
+    namespace: Namespace
+    tokens: int  # on the edge into this node
+    depth: int  # tokens before the edge: 0 for a child of the root
+    hits: int  # admitted requests whose cache match ran through this edge
+    served_tokens: int  # tokens the edge served from cache: hits x tokens
+    last_used_s_ago: float  # since the last such request, or since it was cached
+    locks: int  # running requests holding it
+    pinned_for_s: float | None  # time left on its TTL pin; None when not pinned
+    first_token_ids: tuple[int, ...]  # the start of the edge, for a human to recognise it
+
+
+@dataclass(frozen=True)
+class TreeSummary:
+    """The most useful prefixes of a cache, best-first by served tokens from the root."""
+
+    nodes: int  # in the whole cache, all namespaces
+    prefixes: tuple[PrefixNode, ...]  # a parent always comes before its children
+    truncated: bool  # a visible node was left out by the caps
+
+
 class PrefixCache(Protocol):
     """What the scheduler needs from a prefix cache.
 
@@ -108,6 +134,21 @@ class PrefixCache(Protocol):
         ...
 
     def stats(self) -> CacheStats: ...
+
+    def record_use(self, handle: CacheHandle | None) -> None:
+        """Counts one admitted request's use of the path to `handle` (its hits and last use).
+        The scheduler calls it once per request, with its final match; lookups made to order
+        the queue, prefetch or pin never count."""
+        ...
+
+    def top_prefixes(
+        self, limit: int, visit_limit: int,
+        visible: Callable[[Namespace], bool] | None = None, first_tokens: int = 16,
+    ) -> TreeSummary:
+        """Up to `limit` nodes, best-first from the root by served tokens, looking at no more
+        than `visit_limit` nodes (the engine thread runs it between steps); `visible` keeps
+        only the namespaces a caller may see. Empty for caches that are not trees."""
+        ...
 
     def reset(self) -> None:
         """Drops every unlocked entry (releasing its slots)."""

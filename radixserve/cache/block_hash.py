@@ -9,7 +9,14 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from radixserve.cache.base import CacheHandle, InsertResult, MatchResult, Namespace, ReleaseFn
+from radixserve.cache.base import (
+    CacheHandle,
+    InsertResult,
+    MatchResult,
+    Namespace,
+    ReleaseFn,
+    TreeSummary,
+)
 from radixserve.cache.pins import NOT_PINNED, PinnableEntry
 from radixserve.cache.slot_cache import SlotCache
 
@@ -121,6 +128,15 @@ class BlockHashCache(SlotCache[_Block]):
                 self._num_referenced -= 1
                 if block.pinned_until == NOT_PINNED:
                     self._free[block] = None
+
+    def record_use(self, handle: CacheHandle | None) -> None:
+        pass  # no per-block hit counts: flat hashed blocks make no tree to show
+
+    def top_prefixes(
+        self, limit: int, visit_limit: int,
+        visible: Callable[[Namespace], bool] | None = None, first_tokens: int = 16,
+    ) -> TreeSummary:
+        return TreeSummary(nodes=self._num_blocks, prefixes=(), truncated=False)
 
     def _pin_path(self, handle: CacheHandle | None) -> list[_Block]:
         if handle is None or not self._block(handle).alive:

@@ -4,9 +4,16 @@ prompt. It exists so the scheduler runs one code path whatever the mode.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from radixserve.cache.base import CacheHandle, CacheStats, InsertResult, MatchResult, Namespace
+from radixserve.cache.base import (
+    CacheHandle,
+    CacheStats,
+    InsertResult,
+    MatchResult,
+    Namespace,
+    TreeSummary,
+)
 
 
 class NoCache:
@@ -16,7 +23,7 @@ class NoCache:
     None) and keeps nothing, so a request's slots stay private to it from allocation to finish,
     and the scheduler frees all of them itself, exactly once, when the request ends. `match_prefix`
     always returns length 0; lock, unlock and pin accept the None handle and do nothing; evict
-    frees nothing; stats are all zero.
+    frees nothing; stats are all zero and the tree summary is empty.
     """
 
     stores_slots = False
@@ -49,6 +56,15 @@ class NoCache:
 
     def stats(self) -> CacheStats:
         return CacheStats(0, 0, 0, 0, 0, 0)
+
+    def record_use(self, handle: CacheHandle | None) -> None:
+        pass
+
+    def top_prefixes(
+        self, limit: int, visit_limit: int,
+        visible: Callable[[Namespace], bool] | None = None, first_tokens: int = 16,
+    ) -> TreeSummary:
+        return TreeSummary(nodes=0, prefixes=(), truncated=False)
 
     def reset(self) -> None:
         pass

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from radixserve.cache.base import CacheHandle, InsertResult, MatchResult, Namespace, ReleaseFn
 from radixserve.cache.pins import NOT_PINNED, PinnableEntry
 from radixserve.cache.slot_cache import SlotCache
+from radixserve.cache.tree_usage import TreeSummary, count_use, summarize
 
 
 @dataclass(eq=False, slots=True)
@@ -28,6 +29,9 @@ class _Node(PinnableEntry):
     lock_ref: int = 0
     last_access: int = 0  # a logical tick, exact where wall clocks tie
     leaf_version: int = 0  # matches the one live record of this node in the leaf heap
+    serial: int = 0  # the node's id in summaries
+    hits: int = 0  # admitted requests whose match ran through this edge (record_use)
+    last_used: float = 0.0  # the clock at the last such request, or when it was cached
 
     @property
     def num_tokens(self) -> int:
@@ -40,8 +44,8 @@ class RadixCache(SlotCache[_Node]):
     Only full pages are cached: match and insert lengths are multiples of `page_size`, and a
     partial last page stays the caller's. Children of the root are keyed by (namespace, first
     token or page), so namespaces never share a node. Costs: match/insert O(key length) plus one
-    dict lookup per node; lock/unlock/pin O(depth); evict O(log n) per leaf freed; stats O(1)
-    plus the pins that expired since the last call.
+    dict lookup per node; lock/unlock/pin/record_use O(depth); evict O(log n) per leaf freed;
+    stats O(1) plus the pins that expired since the last call; top_prefixes O(visit_limit).
     """
 
     def __init__(self, page_size: int, release: ReleaseFn,
@@ -51,6 +55,7 @@ class RadixCache(SlotCache[_Node]):
         self._root = _Node(key=(), slots=[], parent=None, depth=0)
         self._tick = 0
         self._order = itertools.count()
+        self._serials = itertools.count(1)
         # Candidate leaves, least recently used first. Only a node's newest record is live, and
         # only while the node is still an unlocked, unpinned leaf; others are skipped when popped.
         self._leaves: list[tuple[int, int, _Node, int]] = []
@@ -79,6 +84,8 @@ class RadixCache(SlotCache[_Node]):
                 depth=node.depth + len(new_slots),
                 child_key=self._child_key(node, namespace, key, cached),
                 last_access=self._tick,
+                serial=next(self._serials),
+                last_used=self._clock(),
             )
             node.children[leaf.child_key] = leaf
             self._nodes += 1
@@ -107,6 +114,17 @@ class RadixCache(SlotCache[_Node]):
             self._count(node, +1)
             self._push_if_candidate(node)
             node = node.parent
+
+    def record_use(self, handle: CacheHandle | None) -> None:
+        count_use(self._root, self._live_node(handle), self._clock())
+
+    def top_prefixes(
+        self, limit: int, visit_limit: int,
+        visible: Callable[[Namespace], bool] | None = None, first_tokens: int = 16,
+    ) -> TreeSummary:
+        now = self._clock()
+        self._expire_pins(now)
+        return summarize(self._root, self._nodes, now, limit, visit_limit, visible, first_tokens)
 
     def _pin_path(self, handle: CacheHandle | None) -> list[_Node]:
         node, path = self._node(handle), []
@@ -192,6 +210,9 @@ class RadixCache(SlotCache[_Node]):
             lock_ref=child.lock_ref,
             pinned_until=child.pinned_until,
             pin_seq=child.pin_seq,
+            serial=next(self._serials),
+            hits=child.hits,  # every request through the child ran through the upper part
+            last_used=child.last_used,
         )
         parent.children[upper.child_key] = upper
         child.key, child.slots, child.parent = child.key[at:], child.slots[at:], upper

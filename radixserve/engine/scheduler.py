@@ -341,6 +341,7 @@ class Scheduler:
             return None
         self.waiting.remove(request)
         if request.num_cached_tokens is None:  # once per request, as the hit counters count
+            self.cache.record_use(match.handle)
         self._apply_pins(request)
         load = self._start_load(request) if reads_cache else None
         if load is not None:
