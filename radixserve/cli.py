@@ -1,4 +1,4 @@
-"""The `radixserve` command: serve, bench, lint, model pull."""
+"""The `radixserve` command: serve, top, bench, lint, cache, model pull."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 # Sub-commands live in their own packages; each offers `register(subparsers)` which adds its
 # parser and sets `func` to a callable taking the parsed args and returning an exit status.
 _SUBCOMMAND_MODULES = ("radixserve.server.cli", "radixserve.bench.cli", "radixserve.lint.cli",
-                       "radixserve.kv_tier.cli")
+                       "radixserve.kv_tier.cli", "radixserve.server.top")
 
 
 def _model_pull(args: argparse.Namespace) -> int:

@@ -1,7 +1,8 @@
 """The server's own counters from its Prometheus `/metrics`, read before and after a run.
 
 Names are matched without their namespace (`radixserve:`, `vllm:`, `sglang:`), and summed
-over label sets, so any server using vLLM's names is read the same way.
+over label sets, so any server using vLLM's names is read the same way. A counter exported
+under two namespaces (radixserve's `--metrics-compat vllm` twins) is read from the first.
 """
 
 from __future__ import annotations
@@ -25,14 +26,15 @@ _SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 def parse_counters(text: str) -> dict[str, float]:
     """The COUNTERS found in a Prometheus text exposition, each summed over its labels."""
     found: dict[str, float] = {}
+    namespace_of: dict[str, str] = {}
     for line in text.splitlines():
         if not line or line.startswith("#"):
             continue
         match = _SAMPLE.match(line)
         if match is None:
             continue
-        name = match.group(1).rsplit(":", 1)[-1]
-        if name not in COUNTERS:
+        namespace, _, name = match.group(1).rpartition(":")
+        if name not in COUNTERS or namespace_of.setdefault(name, namespace) != namespace:
             continue
         try:
             value = float(match.group(3))

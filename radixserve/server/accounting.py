@@ -83,11 +83,12 @@ class JobAccount:
     def __init__(
         self, ledger: CacheLedger, api: Api, price: ModelPrice,
         breakpoints: Sequence[LayoutBreakpoint] = (), vendor: VendorCache | None = None,
-        accounting: Accounting | None = None, bill_output: bool = True,
+        accounting: Accounting | None = None, bill_output: bool = True, profile: str = "",
     ) -> None:
         self.ledger = ledger
         self.api = api
         self.price = price
+        self.profile = profile  # the price profile's name, for the dashboard
         self.breakpoints = tuple(breakpoints)
         self.vendor = vendor
         self.accounting = accounting
@@ -167,26 +168,26 @@ class CacheLedger:
                   bill_output: bool = True) -> JobAccount:
         """A Messages request's account; in vendor mode its reads and writes happen now, at
         the request's start, as the vendor's lookup does."""
-        price = self.price(model, "anthropic")
+        price, name = self.price(model, "anthropic"), profile_for_model(model, "anthropic").name
         if not self.vendor_mode:
             return JobAccount(self, "anthropic", price, layout.breakpoints,
-                              bill_output=bill_output)
+                              bill_output=bill_output, profile=name)
         vendor = self._vendor_cache(self.profile(model, "anthropic"), namespace)
         return JobAccount(self, "anthropic", price, layout.breakpoints, vendor,
-                          vendor.start(layout), bill_output)
+                          vendor.start(layout), bill_output, profile=name)
 
     def openai(self, job: Job) -> JobAccount:
         """An OpenAI job's account: engine truth, or OpenAI's automatic-caching rules (1,024
         token minimum, 128-token increments) over the prompt's token ids."""
         model = self.openai_model
-        price = self.price(model, "openai")
+        price, name = self.price(model, "openai"), profile_for_model(model, "openai").name
         if not self.vendor_mode:
-            return JobAccount(self, "openai", price)
+            return JobAccount(self, "openai", price, profile=name)
         namespace = f"{model}\0{job.namespace!r}"
         layout = PromptLayout(block_hashes=(), breakpoints=(), total_tokens=len(job.prompt_ids),
                               token_ids=tuple(job.prompt_ids), namespace=namespace)
         vendor = self._vendor_cache(self.profile(model, "openai"), job.namespace)
-        return JobAccount(self, "openai", price, (), vendor, vendor.start(layout))
+        return JobAccount(self, "openai", price, (), vendor, vendor.start(layout), profile=name)
 
 
 def is_known_anthropic_model(model: str) -> bool:

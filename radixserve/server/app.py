@@ -23,18 +23,20 @@ from radixserve.server.accounting import CacheLedger
 from radixserve.server.anthropic_protocol import CountTokensRequest, MessagesRequest
 from radixserve.server.anthropic_routes import install_anthropic_api
 from radixserve.server.context import ServerContext, context_of
+from radixserve.server.dashboard import install_dashboard
 from radixserve.server.errors import install_error_handlers
 from radixserve.server.metrics import EngineSnapshot, ServerMetrics, take_snapshot
 from radixserve.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from radixserve.server.openai_routes import build_openai_router
 from radixserve.server.serving import EngineService, Lifecycle
 from radixserve.server.settings import ServerSettings
+from radixserve.server.stats_routes import install_cache_stats
 
 
 def create_app(aengine: AsyncEngine, settings: ServerSettings | None = None) -> FastAPI:
     """An app serving `aengine`. The caller owns the engine and shuts it down after the app."""
     settings = settings or ServerSettings()
-    metrics = ServerMetrics(settings.model_name)
+    metrics = ServerMetrics(settings.model_name, settings.metrics_compat)
     lifecycle = Lifecycle()
     service = EngineService(aengine, settings, metrics, lifecycle)
     ctx = ServerContext(aengine, settings, metrics, lifecycle, service, created=int(time.time()))
@@ -46,7 +48,8 @@ def create_app(aengine: AsyncEngine, settings: ServerSettings | None = None) -> 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         lifecycle.attach()
-        yield
+        async with stats.sampling(aengine):  # the pool series of /v1/cache/stats
+            yield
         # uvicorn has drained the connections by now; wait for the engine to apply their
         # aborts before the loop closes under it.
         lifecycle.draining = True
@@ -61,8 +64,12 @@ def create_app(aengine: AsyncEngine, settings: ServerSettings | None = None) -> 
     install_error_handlers(app)
     app.include_router(build_openai_router())
     install_anthropic_api(app, ledger, clock, settings.enable_clock_control)
-    app.add_api_route("/health", health, methods=["GET"], tags=["ops"])
-    app.add_api_route("/metrics", metrics_text, methods=["GET"], tags=["ops"])
+    install_dashboard(app)
+    stats = install_cache_stats(app, ctx)
+    for path, endpoint in (("/health", health), ("/metrics", metrics_text)):
+        app.add_api_route(path, endpoint, methods=["GET"], tags=["ops"])
+        # Probes (aiperf, load balancers) send HEAD; the server drops the body.
+        app.add_api_route(path, endpoint, methods=["HEAD"], include_in_schema=False)
     _document_bodies(app, [ChatCompletionRequest, CompletionRequest, MessagesRequest,
                            CountTokensRequest])
     return app

@@ -26,7 +26,12 @@ from radixserve.config import (
     SCHEDULE_POLICIES,
     EngineConfig,
 )
-from radixserve.server.settings import CACHE_ACCOUNTING_MODES, DEFAULT_MODEL_NAME, ServerSettings
+from radixserve.server.settings import (
+    CACHE_ACCOUNTING_MODES,
+    DEFAULT_MODEL_NAME,
+    METRICS_COMPAT_MODES,
+    ServerSettings,
+)
 from radixserve.server.tool_parsers import PARSERS
 
 if TYPE_CHECKING:  # imported when serving only, so that `radixserve --help` stays fast
@@ -57,7 +62,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         help="serve a model over OpenAI- and Anthropic-compatible HTTP APIs",
         description="Serve a model over HTTP: POST /v1/chat/completions, POST /v1/completions, "
                     "GET /v1/models, POST /v1/messages, POST /v1/messages/count_tokens, "
-                    "GET /health, GET /metrics (Prometheus).",
+                    "GET /health, GET /metrics (Prometheus; both answer HEAD too).",
         formatter_class=_HelpFormatter,
     )
     _model_flags(p.add_argument_group("model"))
@@ -176,6 +181,10 @@ def _http_flags(http: argparse._ArgumentGroup) -> None:
     http.add_argument("--tool-call-parser", choices=PARSERS, default=None,
                       help="how tool calls are read from the model's output; default: chosen "
                            "from the chat template (hermes where it has no tool format)")
+    http.add_argument("--metrics-compat", choices=METRICS_COMPAT_MODES, default=None,
+                      help="vllm: /metrics also exports `vllm:`-named twins (vLLM 0.11's names "
+                           "and labels) of the metrics vLLM has, for aiperf and vLLM's Grafana "
+                           "boards")
 
 
 def _accounting_flags(caching: argparse._ArgumentGroup) -> None:

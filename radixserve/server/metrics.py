@@ -1,7 +1,8 @@
 """Prometheus metrics for one app, in a registry of its own (two apps in one process never mix).
 
 Names carry the `radixserve:` prefix and follow vLLM's names and counting rules where vLLM has
-one, so its dashboards and `radixserve bench` read them as they are. Engine-side figures (cache
+one, so `radixserve bench` reads them as they are (`--metrics-compat vllm` adds `vllm:` twins
+for tools that read only vLLM's names: metrics_compat). Engine-side figures (cache
 counters, pool occupancy) come from a snapshot taken on the engine thread between steps.
 """
 
@@ -22,6 +23,7 @@ from prometheus_client.registry import Collector
 from radixserve.cache.base import CacheStats
 from radixserve.engine.engine import LLMEngine, PoolStats
 from radixserve.kv_tier.store import LOAD_BUCKETS, TierStats
+from radixserve.server.metrics_compat import VllmView
 from radixserve.vendors.usage import CacheUsage
 
 PREFIX = "radixserve:"
@@ -166,7 +168,8 @@ class _EngineCollector(Collector):
 class ServerMetrics:
     """Request-side metrics, observed by the routes; engine-side ones come from snapshots."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, compat: str | None = None) -> None:
+        """`compat` "vllm" adds `vllm:` twins to the exposition (ServerSettings.metrics_compat)."""
         self.model_name = model_name
         self.registry = CollectorRegistry()
         reg, label = self.registry, ["model_name"]
@@ -212,6 +215,7 @@ class ServerMetrics:
             registry=reg)
         self._engine = _EngineCollector(model_name)
         reg.register(self._engine)
+        self._exposition: Collector = VllmView(reg, PREFIX) if compat == "vllm" else reg
 
     def request_finished(self, reason: str) -> None:
         self._success.labels(self.model_name, reason).inc()
@@ -233,4 +237,4 @@ class ServerMetrics:
         """The text exposition; `snapshot` refreshes the engine figures (None keeps the last)."""
         if snapshot is not None:
             self._engine.snapshot = snapshot
-        return generate_latest(self.registry)
+        return generate_latest(self._exposition)

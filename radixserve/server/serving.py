@@ -54,6 +54,17 @@ class Job:
     usage: UsageObserver | None = None
 
 
+@dataclass(frozen=True)
+class JobEnd:
+    """A job as it ended, for the cache statistics (`EngineService.on_job_end`)."""
+
+    request_id: str
+    job: Job
+    cached_tokens: int | None  # the engine's own figure; None: the job never produced output
+    ttft_s: float | None  # None: no token was generated
+    usage: UsageObserver | None  # the job's accounting, closed (billed) by now
+
+
 # (job index, its next output | the error that ended it | None: its pump finished)
 _Item = tuple[int, RequestOutput | BaseException | None]
 
@@ -103,19 +114,23 @@ class _JobTracker:
         self.received_at = received_at
         n = job.params.n
         self.started = False
+        self.ttft_s: float | None = None
+        self.cached_tokens: int | None = None
         self.tokens = [0] * n
         self.last_token_at = [0.0] * n
         self.finished: list[str | None] = [None] * n
 
     def observe(self, output: RequestOutput, now: float) -> None:
         m = self.metrics
+        self.cached_tokens = output.num_cached_tokens
         for sample in output.outputs:
             i = sample.index
             new = len(sample.token_ids) - self.tokens[i]
             if new > 0:
                 if not self.started:
                     self.started = True
-                    m.time_to_first_token.observe(now - self.received_at)
+                    self.ttft_s = now - self.received_at
+                    m.time_to_first_token.observe(self.ttft_s)
                     m.prompt_tokens.inc(len(self.job.prompt_ids) * self.job.params.n)
                 elif self.tokens[i] > 0:
                     m.inter_token_latency.observe(now - self.last_token_at[i])
@@ -156,6 +171,7 @@ class EngineService:
         self.num_queued = 0
         # Accounting for jobs that bring none (the OpenAI routes); set by the app.
         self.default_usage: Callable[[Job], UsageObserver] | None = None
+        self.on_job_end: Callable[[JobEnd], None] | None = None  # set by the app: stats
         self._cleanups: set[asyncio.Task[None]] = set()
 
     def check_open(self) -> None:
@@ -206,10 +222,11 @@ class EngineService:
                 elif isinstance(item, BaseException):
                     raise self._translate(item) from item
                 else:
+                    # Before the accounting, which may restate cached tokens as a vendor would.
+                    trackers[index].observe(item, time.monotonic())
                     accounting = usage[index]
                     if accounting is not None:
                         item = accounting.observe(item)
-                    trackers[index].observe(item, time.monotonic())
                     if queued[index] and trackers[index].started:
                         queued[index] = False
                         self.num_queued -= 1
@@ -224,6 +241,10 @@ class EngineService:
             for job_usage in usage:
                 if job_usage is not None:
                     job_usage.close()
+            if self.on_job_end is not None:
+                for rid, tracker, job_usage in zip(ids, trackers, usage, strict=True):
+                    self.on_job_end(JobEnd(rid, tracker.job, tracker.cached_tokens,
+                                           tracker.ttft_s, job_usage))
 
     async def _pump(self, index: int, job: Job, request_id: str, stream: asyncio.Queue[_Item]) -> None:
         options = {"pins": list(job.pins)} if job.pins else {}

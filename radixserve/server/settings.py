@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 CACHE_ACCOUNTING_MODES = ("engine", "vendor")
+METRICS_COMPAT_MODES = ("vllm",)
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,8 @@ class ServerSettings:
     # The tool-call format read from model output (`tool_parsers.PARSERS`); None: chosen from
     # the chat template.
     tool_call_parser: str | None = None
+    # "vllm": /metrics also exports `vllm:` twins of the metrics vLLM has (metrics_compat).
+    metrics_compat: str | None = None
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
@@ -57,6 +60,8 @@ class ServerSettings:
             raise ValueError(f"cache_accounting must be one of {CACHE_ACCOUNTING_MODES}")
         if self.min_cacheable_tokens is not None and self.min_cacheable_tokens < 0:
             raise ValueError("min_cacheable_tokens must be >= 0")
+        if self.metrics_compat is not None and self.metrics_compat not in METRICS_COMPAT_MODES:
+            raise ValueError(f"metrics_compat must be one of {METRICS_COMPAT_MODES}")
 
     @property
     def model_name(self) -> str:
