@@ -18,6 +18,7 @@ from radixserve.engine.kv_pool import PageAllocator
 from radixserve.engine.request import Request
 from radixserve.engine.scheduler import Scheduler
 from radixserve.sampling_params import SamplingParams
+from tests.test_scheduler import _step
 
 NAMESPACES = [None, "a", "b"]
 EVERYTHING = dict(limit=10_000, visit_limit=10_000, first_tokens=10_000)
@@ -202,13 +203,7 @@ def _run(scheduler: Scheduler, requests: list[Request]) -> None:
     for request in requests:
         scheduler.add(request)
     while scheduler.has_work():
-        plan = scheduler.schedule()
-        sampled = [*plan.decodes, *[c.request for c in plan.prefills if c.completes_prompt]]
-        scheduler.advance(plan)
-        for request in sampled:
-            request.append_output(7)
-            if len(request.output_token_ids) >= request.params.max_tokens:
-                scheduler.finish(request, "length")
+        _step(scheduler)
 
 
 def test_scheduler_counts_one_hit_per_admitted_request() -> None:
