@@ -49,7 +49,7 @@ _NOT_PINNED = -math.inf
 _FATAL_WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM,
                        errno.EFBIG}
 _WRITER_NICE = 10
-_STALE_TEMP_S = 600.0  # a temporary file this old is a crashed write, not one in progress
+STALE_TEMP_S = 600.0  # a temporary file this old is a crashed write, not one in progress
 
 
 @dataclass
@@ -417,10 +417,10 @@ class TierStore:
         found: list[tuple[float, bytes, int]] = []
         pins: dict[bytes, float] = {}
         now = time.time()
-        for sub in _scandir(self.dir):
+        for sub in list_dir(self.dir):
             if not sub.is_dir() or len(sub.name) != 2:
                 continue
-            for item in _scandir(sub.path):
+            for item in list_dir(sub.path):
                 name = item.name
                 try:
                     if name.endswith(".kv"):
@@ -430,7 +430,7 @@ class TierStore:
                         pin = _read_pin(item.path)
                         if pin is not None:
                             pins[bytes.fromhex(name[:-4])] = pin
-                    elif name.endswith(".tmp") and now - item.stat().st_mtime > _STALE_TEMP_S:
+                    elif name.endswith(".tmp") and now - item.stat().st_mtime > STALE_TEMP_S:
                         os.unlink(item.path)
                 except (OSError, ValueError):
                     continue  # vanished meanwhile, or not ours: ignored
@@ -468,7 +468,7 @@ def _read_pin(path: str) -> float | None:
         return None
 
 
-def _scandir(path: str) -> Iterable[os.DirEntry[str]]:
+def list_dir(path: str) -> Iterable[os.DirEntry[str]]:
     try:
         with os.scandir(path) as it:
             return list(it)
