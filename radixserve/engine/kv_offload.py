@@ -74,7 +74,8 @@ class KVOffload:
         # Hints have a thread of their own, so a burst of them never delays a load.
         self._prefetcher = concurrent.futures.ThreadPoolExecutor(1, "kv-tier-prefetch")
         self._closed = False
-        self._staging: torch.Tensor | None = None  # the writer thread's block buffer
+        # Block buffers the writer has finished with (list append/pop are atomic).
+        self._spare: list[torch.Tensor] = []
         self._pool_bytes: list | None = None  # the loader thread's views of the pool
 
     # ----- keys -----
@@ -92,9 +93,8 @@ class KVOffload:
 
     # ----- writes -----
 
-    def write_through(self, request: Request, end: int) -> concurrent.futures.Future | None:
-        """Queues the blocks that the request's cached KV (`end` tokens) now completes; see
-        `_write` for the future returned."""
+    def write_through(self, request: Request, end: int) -> None:
+        """Queues the blocks that the request's cached KV (`end` tokens) now completes."""
         keys = self.keys(request, end)
         first, request.tier_blocks_done = request.tier_blocks_done, max(request.tier_blocks_done,
                                                                         len(keys))
@@ -106,39 +106,27 @@ class KVOffload:
                 self.store.touch(keys[j])
             else:
                 missing.append(j)
-        return self._write(request, missing, forced=False)
+        self._write(request, missing, forced=False)
 
-    def pin(self, request: Request, end: int,
-            expires_at: float) -> concurrent.futures.Future | None:
+    def pin(self, request: Request, end: int, expires_at: float) -> None:
         """Pins the blocks of the request's first `end` tokens (cached in the pool) until the
         engine-clock time `expires_at`, writing any the tier lacks: a pinned prefix must
         survive a crash."""
         keys = self.keys(request, end)
         missing = [j for j, key in enumerate(keys) if not self.store.contains(key)]
-        written = self._write(request, missing, forced=True)
+        self._write(request, missing, forced=True)
         self.store.pin(keys, self.store.wall_clock() + (expires_at - self.clock()))
-        return written
 
-    def _write(self, request: Request, blocks: list[int],
-               forced: bool) -> concurrent.futures.Future | None:
-        """Queues the blocks' writes. The writer thread copies each block out of the pool
-        itself, so the step pays nothing for it; until the returned future is done the
-        caller keeps the request's cached prefix locked, so those slots stay as they are.
-        None when nothing was queued."""
+    def _write(self, request: Request, blocks: list[int], forced: bool) -> None:
+        """Copies the blocks out of the pool now (the slots may be reused as soon as the
+        step ends) into buffers the writer hands back after writing, so after the first few
+        writes a copy costs a memcpy, with no allocation and no page faults."""
         if not blocks or not self.store.writable:
-            return None
+            return
         if not forced and not self.store.has_room(len(blocks) * self.block_bytes):
             self.store.count_dropped(len(blocks))
-            return None
+            return
         size, keys, now = self.block_tokens, request.tier_keys, self.store.wall_clock()
-        done: concurrent.futures.Future = concurrent.futures.Future()
-        remaining = [len(blocks)]
-
-        def one_done() -> None:  # on the writer thread, or here when nothing was queued
-            remaining[0] -= 1
-            if remaining[0] == 0:
-                done.set_result(None)
-
         for j in blocks:
             header = EntryHeader(
                 key=keys[j].hex(),
@@ -151,17 +139,18 @@ class KVOffload:
                 shape=self.block_shape,
                 created=now,
             )
-            slots = request.slots[j * size : (j + 1) * size]
-            self.store.put(keys[j], header, functools.partial(self._copy_out, slots),
-                           self.block_bytes, forced=forced, on_done=one_done)
-        return done
+            buffer = self._copy_out(request.slots[j * size : (j + 1) * size])
+            self.store.put(keys[j], header, functools.partial(_as_bytes, buffer),
+                           self.block_bytes, forced=forced,
+                           on_done=functools.partial(self._spare.append, buffer))
 
-    def _copy_out(self, slots: list[int]) -> memoryview:
-        """One block's K/V as bytes, on the writer thread, into a buffer it reuses (the
-        store writes it before asking for the next)."""
-        if self._staging is None:
-            self._staging = torch.empty(self.block_shape, dtype=self.dtype)
-        out, first = self._staging, slots[0]
+    def _copy_out(self, slots: list[int]) -> torch.Tensor:
+        """One block's K/V ([layers, 2, heads, tokens, dim]) in a buffer of its own."""
+        try:
+            out = self._spare.pop()
+        except IndexError:
+            out = torch.empty(self.block_shape, dtype=self.dtype)
+        first = slots[0]
         contiguous = slots == list(range(first, first + len(slots)))
         index = None if contiguous else torch.tensor(slots, dtype=torch.long,
                                                      device=self.device)
@@ -171,7 +160,7 @@ class KVOffload:
                     out[i, kv].copy_(source[:, first : first + len(slots)])
                 else:
                     out[i, kv].copy_(source.index_select(1, index))
-        return memoryview(out.view(torch.uint8).numpy()).cast("B")
+        return out
 
     # ----- reads -----
 
@@ -278,3 +267,6 @@ class KVOffload:
         self._loader.shutdown(wait=True, cancel_futures=True)
         self.store.close(timeout)
 
+
+def _as_bytes(block: torch.Tensor) -> memoryview:
+    return memoryview(block.view(torch.uint8).numpy()).cast("B")

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from radixserve.cache.base import CacheHandle, PrefixCache
+from radixserve.cache.base import PrefixCache
 from radixserve.config import EngineConfig
 from radixserve.engine.kv_pool import OutOfSlots, PageAllocator
 from radixserve.engine.request import Request, RequestStatus
@@ -90,13 +90,11 @@ class KVTier(Protocol):
         """Starts loading the blocks past the pool's match into the request's slots."""
         ...
 
-    def write_through(self, request: Request, end: int) -> concurrent.futures.Future | None:
-        """The request's first `end` tokens are cached now: queue their new blocks. Until the
-        future is done the writer reads their slots: the caller keeps them locked."""
+    def write_through(self, request: Request, end: int) -> None:
+        """The request's first `end` tokens are cached now: queue their new blocks."""
         ...
 
-    def pin(self, request: Request, end: int,
-            expires_at: float) -> concurrent.futures.Future | None:
+    def pin(self, request: Request, end: int, expires_at: float) -> None:
         """Pins the request's first `end` tokens in the tier (writing what it lacks)."""
         ...
 
@@ -132,8 +130,6 @@ class Scheduler:
         self.loading: dict[Request, TierLoad] = {}  # admitted, their tier blocks on the way
         # Slots of requests that ended while loading: the loader may still write them.
         self._abandoned: list[tuple[list[int], TierLoad]] = []
-        # Cached prefixes locked while the tier's writer copies blocks out of them.
-        self._writing: list[tuple[CacheHandle | None, concurrent.futures.Future]] = []
         self.counters = SchedulerCounters()
 
     # ----- queue management -----
@@ -145,8 +141,7 @@ class Scheduler:
             self.tier.prefetch(request, self.cache.match_prefix(request.namespace, lookup).length)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.loading or self._abandoned
-                    or self._writing)
+        return bool(self.waiting or self.running or self.loading or self._abandoned)
 
     def finish(self, request: Request, reason: FinishReason, keep_kv: bool = True) -> None:
         """Ends a request wherever it is; releases every slot and lock it holds, once.
@@ -174,12 +169,11 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         self._collect_loads()
         out = self._plan()
-        if out.empty and (self.loading or self._abandoned or self._writing):
-            # Nothing to compute until a load or write lands: wait for one (briefly, so the
-            # caller still gets to its inbox) rather than spin.
+        if out.empty and (self.loading or self._abandoned):
+            # Nothing to compute until a load lands: wait for one (briefly, so the caller
+            # still gets to its inbox) rather than spin.
             futures = [load.future for load in self.loading.values()]
             futures += [load.future for _, load in self._abandoned]
-            futures += [future for _, future in self._writing]
             concurrent.futures.wait(futures, timeout=0.05,
                                     return_when=concurrent.futures.FIRST_COMPLETED)
             self._collect_loads()
@@ -373,8 +367,7 @@ class Scheduler:
                 self.counters.kv_tier_hits += loaded
 
     def _collect_loads(self) -> None:
-        """Starts the requests whose loads landed; unlocks what the writer has copied; frees
-        the slots of abandoned loads."""
+        """Starts the requests whose loads landed; frees the slots of abandoned ones."""
         for request, load in list(self.loading.items()):
             if not load.future.done():
                 continue
@@ -394,13 +387,6 @@ class Scheduler:
                     self.cache.pin(match.handle, result.pinned_until)
             self._start(request, reads_cache=True,
                         loaded=result.loaded_tokens if result is not None else 0)
-        writing = []
-        for handle, future in self._writing:
-            if future.done():
-                self.cache.unlock(handle)
-            else:
-                writing.append((handle, future))
-        self._writing = writing
         still = []
         for slots, load in self._abandoned:
             if load.future.done():
@@ -440,7 +426,7 @@ class Scheduler:
         request.cache_handle = result.handle
         request.cache_len = aligned
         if self.tier is not None:
-            self._hold_for_writer(request, self.tier.write_through(request, aligned))
+            self.tier.write_through(request, aligned)
         self._apply_pins(request)
 
     def _apply_pins(self, request: Request) -> None:
@@ -456,17 +442,8 @@ class Scheduler:
                 match = self.cache.match_prefix(request.namespace, request.token_ids[:aligned])
                 self.cache.pin(match.handle, request.arrival_time + ttl)
                 if self.tier is not None:
-                    self._hold_for_writer(request, self.tier.pin(request, aligned,
-                                                                 request.arrival_time + ttl))
+                    self.tier.pin(request, aligned, request.arrival_time + ttl)
         request.pins = waiting
-
-    def _hold_for_writer(self, request: Request,
-                         written: concurrent.futures.Future | None) -> None:
-        """Keeps the request's cached prefix from eviction until the tier's writer has copied
-        the blocks it was handed (`_collect_loads` lets go)."""
-        if written is not None:
-            self.cache.lock(request.cache_handle)
-            self._writing.append((request.cache_handle, written))
 
     def _release(self, request: Request, publish: bool) -> None:
         if publish:
