@@ -63,18 +63,20 @@ def _ask_with_pin(client: anthropic.Anthropic, question: str) -> anthropic.types
         messages=[{"role": "user", "content": question}])
 
 
-def test_a_restarted_server_reads_what_the_last_one_computed(tier_dir, reference):
+def test_a_restarted_server_reads_what_the_last_one_computed(tier_dir, reference,
+                                                            tmp_path_factory):
     document, first, second = _prompts(reference)
     assert len(document) >= 1900
-    flags = ("--kv-offload-dir", str(tier_dir), "--enable-clock-control")
-    with running_server(_factory(tier_dir), *flags, name="before") as before:
+    # float32 as the reference runs (dtype auto would be bfloat16 on AVX512-BF16 machines).
+    flags = ("--kv-offload-dir", str(tier_dir), "--enable-clock-control", "--dtype", "float32")
+    with running_server(tmp_path_factory, *flags, name="before") as before:
         with _openai(before) as client:
             client.completions.create(model=MODEL, prompt=first, max_tokens=4, temperature=0)
         with _anthropic(before) as client:
             _ask_with_pin(client, "Is breakfast included?")
         metrics = wait_idle(before.base_url)
         assert metrics["kv_tier_bytes_written_total"] > 0
-    with running_server(_factory(tier_dir), *flags, name="after") as after:
+    with running_server(tmp_path_factory, *flags, name="after") as after:
         metrics = read_metrics(after.base_url)
         assert metrics["kv_tier_entries"] >= len(document) // 64
         assert metrics["kv_tier_pinned_entries"] > 0  # the 1h pin, back from disk
@@ -108,14 +110,3 @@ def test_a_restarted_server_reads_what_the_last_one_computed(tier_dir, reference
         assert metrics["kv_tier_pinned_entries"] == 0
         assert sum(v for k, v in metrics.items() if k.startswith("kv_tier_errors_total")) == 0
 
-
-class _factory:
-    """running_server takes a TempPathFactory for its log; this one puts logs beside the tier."""
-
-    def __init__(self, base: Path) -> None:
-        self.base = base
-
-    def mktemp(self, name: str) -> Path:
-        path = self.base.parent / f"{self.base.name}-{name}-log"
-        path.mkdir(exist_ok=True)
-        return path
