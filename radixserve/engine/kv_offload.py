@@ -150,10 +150,9 @@ class KVOffload:
             out = self._spare.pop()
         except IndexError:
             out = torch.empty(self.block_shape, dtype=self.dtype)
-        first = slots[0]
-        contiguous = slots == list(range(first, first + len(slots)))
-        index = None if contiguous else torch.tensor(slots, dtype=torch.long,
-                                                     device=self.device)
+        first = _run_start(slots)
+        index = None if first is not None else torch.tensor(slots, dtype=torch.long,
+                                                            device=self.device)
         for i, layer in enumerate(self.pool.layers):
             for kv, source in enumerate((layer.k, layer.v)):
                 if index is None:
@@ -232,10 +231,10 @@ class KVOffload:
         """Where in the pool a whole block's file can be read in place: one run of B x dim
         per layer, K/V and head, in the file's order. None unless the block is whole, its
         slots one run in a CPU pool, and its header the shape expected."""
-        first = slots[0]
-        if (skip or self.device.type != "cpu" or header.shape != self.block_shape
-                or header.dtype != str(self.dtype).removeprefix("torch.")
-                or slots != list(range(first, first + len(slots)))):
+        first = _run_start(slots)
+        if (skip or first is None or self.device.type != "cpu"
+                or header.shape != self.block_shape
+                or header.dtype != str(self.dtype).removeprefix("torch.")):
             return None
         end = first + len(slots)
         if self._pool_bytes is None:  # numpy views of the pool: slicing them costs ~nothing
@@ -247,8 +246,8 @@ class KVOffload:
     def _copy_in(self, data: torch.Tensor, slots: list[int]) -> None:
         """Writes a block's K/V ([layers, 2, heads, tokens, dim]) into the pool's slots: a
         plain copy where the slots run contiguously (the allocator's usual gift)."""
-        first = slots[0]
-        if slots == list(range(first, first + len(slots))):
+        first = _run_start(slots)
+        if first is not None:
             for i, layer in enumerate(self.pool.layers):
                 layer.k[:, first : first + len(slots)].copy_(data[i, 0])
                 layer.v[:, first : first + len(slots)].copy_(data[i, 1])
@@ -270,3 +269,10 @@ class KVOffload:
 
 def _as_bytes(block: torch.Tensor) -> memoryview:
     return memoryview(block.view(torch.uint8).numpy()).cast("B")
+
+
+def _run_start(slots: list[int]) -> int | None:
+    """The first slot when the slots are one contiguous run (then a plain slice of the pool
+    covers them), else None."""
+    first = slots[0]
+    return first if slots == list(range(first, first + len(slots))) else None
