@@ -152,7 +152,7 @@ def test_num_cached_tokens_is_the_true_shared_prefix(model_path, page_size):
 def test_concurrent_requests_prefill_a_shared_prefix_once(radix, off):
     rng = random.Random(11)
     prefix = [rng.randrange(200, 40000) for _ in range(1000)]
-    suffixes = [[rng.randrange(200, 40000) for _ in range(10)] for _ in range(16)]
+    suffixes = [[rng.randrange(200, 40000) for _ in range(10)] for _ in range(8)]
     prompts = [{"prompt_token_ids": prefix + s} for s in suffixes]
     params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
     counters = radix.engine.scheduler.counters
@@ -160,8 +160,8 @@ def test_concurrent_requests_prefill_a_shared_prefix_once(radix, off):
     results = radix.generate(prompts, params)
     computed = counters.computed_prompt_tokens - before
     # The 1,000-token prefix once, plus each request's own suffix.
-    assert computed <= 1000 + 16 * 10, computed
-    assert sum(r.num_cached_tokens for r in results) >= 15 * 1000
+    assert computed <= 1000 + 8 * 10, computed
+    assert sum(r.num_cached_tokens for r in results) >= 7 * 1000
     expected = off.generate(prompts, params)
     assert [r.outputs[0].token_ids for r in results] == [r.outputs[0].token_ids for r in expected]
     _assert_idle(radix)
