@@ -67,6 +67,15 @@ class EngineConfig:
     kv_offload_gb: float = 10.0
     kv_offload_block_tokens: int = 64
     kv_offload_queue_mb: float = 512.0
+    # KV cache events (radixserve/kv_events) for an external router: off unless an endpoint
+    # is given. What the radix cache stores and evicts, as blocks of kv_events_block_size
+    # tokens, is published on a ZMQ PUB socket bound there (vLLM's schema and framing), with
+    # the last kv_events_buffer_steps batches replayable from kv_events_replay_endpoint.
+    kv_events_endpoint: str | None = None  # e.g. tcp://*:5557; port 0 binds a free port
+    kv_events_replay_endpoint: str | None = None
+    kv_events_block_size: int = 16
+    kv_events_topic: str = ""
+    kv_events_buffer_steps: int = 10_000
     num_threads: int | None = None  # torch CPU threads; None keeps torch's default
     seed: int = 0  # seeds sampling for requests that carry no seed of their own
     show_progress: bool = True
@@ -110,6 +119,19 @@ class EngineConfig:
         need(self.kv_offload_dir is None or self.prefix_cache != "off",
              "kv_offload_dir needs a prefix cache (radix or hash): the tier holds what the "
              "cache evicts")
+        need(self.kv_events_endpoint is None or self.prefix_cache == "radix",
+             "kv_events_endpoint needs prefix_cache='radix'")
+        need(self.kv_events_replay_endpoint is None or self.kv_events_endpoint is not None,
+             "kv_events_replay_endpoint needs kv_events_endpoint")
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            endpoint = getattr(self, name)
+            need(endpoint is None or "://" in endpoint,
+                 f"{name} must be a ZMQ endpoint such as tcp://*:5557, got {endpoint!r}")
+        need(self.kv_events_block_size >= 1, "kv_events_block_size must be >= 1")
+        need(self.kv_events_endpoint is None or self.kv_events_block_size % self.page_size == 0,
+             f"kv_events_block_size must be a multiple of page_size ({self.page_size}), "
+             f"got {self.kv_events_block_size}")
+        need(self.kv_events_buffer_steps >= 1, "kv_events_buffer_steps must be >= 1")
         need(0 <= self.max_pinned_fraction <= 1, "max_pinned_fraction must be in [0, 1]")
         need(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
              f"device must be auto, cpu or cuda[:N], got {self.device!r}")

@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from radixserve.cache.base import (
     CacheHandle,
+    CacheObserver,
     CacheStats,
     InsertResult,
     MatchResult,
@@ -49,6 +50,7 @@ __all__ = [
     "PREFIX_CACHE_MODES",
     "BlockHashCache",
     "CacheHandle",
+    "CacheObserver",
     "CacheStats",
     "InsertResult",
     "MatchResult",

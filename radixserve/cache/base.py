@@ -96,6 +96,29 @@ class TreeSummary:
     truncated: bool  # a visible node was left out by the caps
 
 
+class CacheObserver(Protocol):
+    """Told what a cache stores and evicts, as token paths from the root (the radix cache
+    reports to one; radixserve/kv_events turns the reports into KV cache events). Called on the
+    engine thread inside the cache's own calls: keep it cheap, and do not call back into the
+    cache."""
+
+    def on_insert(self, namespace: Namespace, tokens_path: Sequence[int], old_len: int,
+                  new_len: int) -> None:
+        """`tokens_path[:new_len]` is cached now; its first `old_len` tokens already were."""
+        ...
+
+    def on_evict(self, namespace: Namespace, path_tokens: Sequence[int], start: int,
+                 end: int) -> None:
+        """Tokens [start, end) of the path `path_tokens` (length `end`) left the cache; the
+        path's first `start` tokens are still cached."""
+        ...
+
+    def on_reset(self) -> None:
+        """The cache is empty (a reset that left locked or pinned paths reports its evictions
+        through on_evict instead)."""
+        ...
+
+
 class PrefixCache(Protocol):
     """What the scheduler needs from a prefix cache.
 

@@ -12,7 +12,14 @@ import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
-from radixserve.cache.base import CacheHandle, InsertResult, MatchResult, Namespace, ReleaseFn
+from radixserve.cache.base import (
+    CacheHandle,
+    CacheObserver,
+    InsertResult,
+    MatchResult,
+    Namespace,
+    ReleaseFn,
+)
 from radixserve.cache.pins import NOT_PINNED, PinnableEntry
 from radixserve.cache.slot_cache import SlotCache
 from radixserve.cache.tree_usage import TreeSummary, count_use, summarize
@@ -46,12 +53,17 @@ class RadixCache(SlotCache[_Node]):
     token or page), so namespaces never share a node. Costs: match/insert O(key length) plus one
     dict lookup per node; lock/unlock/pin/record_use O(depth); evict O(log n) per leaf freed;
     stats O(1) plus the pins that expired since the last call; top_prefixes O(visit_limit).
+
+    `observer`, when set, hears every insert that adds tokens, every evicted leaf (its path
+    rebuilt by walking up: O(depth)) and every reset that empties the tree.
     """
 
     def __init__(self, page_size: int, release: ReleaseFn,
                  clock: Callable[[], float] = time.monotonic,
-                 max_pinned_tokens: int | None = None) -> None:
+                 max_pinned_tokens: int | None = None,
+                 observer: CacheObserver | None = None) -> None:
         super().__init__(page_size, release, clock, max_pinned_tokens)
+        self.observer = observer
         self._root = _Node(key=(), slots=[], parent=None, depth=0)
         self._tick = 0
         self._order = itertools.count()
@@ -93,6 +105,8 @@ class RadixCache(SlotCache[_Node]):
             self._inserted_total += len(new_slots)
             self._push_if_candidate(leaf)
             node = leaf
+            if self.observer is not None:
+                self.observer.on_insert(namespace, key, cached, len(key))
         return InsertResult(cached_length=cached, slots=cache_slots + new_slots, handle=node)
 
     def lock(self, handle: CacheHandle | None) -> None:
@@ -148,6 +162,9 @@ class RadixCache(SlotCache[_Node]):
             self._release(node.slots)
             parent = node.parent
             assert parent is not None
+            if self.observer is not None:
+                namespace, path = self._path(node)
+                self.observer.on_evict(namespace, path, node.depth - node.num_tokens, node.depth)
             del parent.children[node.child_key]
             node.alive = False
             freed += node.num_tokens
@@ -156,6 +173,20 @@ class RadixCache(SlotCache[_Node]):
             self._push_if_candidate(parent)  # a parent left childless is a leaf now
         self._evicted_total += freed
         return freed
+
+    def reset(self) -> None:
+        super().reset()
+        if self.observer is not None and not self._root.children:
+            self.observer.on_reset()
+
+    def _path(self, node: _Node) -> tuple[Namespace, tuple[int, ...]]:
+        """The namespace and the tokens from the root to `node`'s end."""
+        edges = [node.key]
+        while node.parent is not self._root:
+            node = node.parent  # type: ignore[assignment]
+            edges.append(node.key)
+        namespace = node.child_key[0]  # a child of the root is keyed (namespace, first)
+        return namespace, tuple(itertools.chain.from_iterable(reversed(edges)))
 
     def _counts(self) -> tuple[int, int, int, int]:
         return self._evictable, self._protected, self._pinned, self._nodes
