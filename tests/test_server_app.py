@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -96,12 +96,16 @@ def test_cache_namespaces() -> None:
 
 
 class _IdleEngine:
-    """Enough of an AsyncEngine for routes that refuse before generating."""
+    """Enough of an engine front (server.front.EngineFront) for routes that refuse before
+    generating."""
 
     alive = True
-    engine = SimpleNamespace()
+    clock = staticmethod(time.monotonic)
 
     async def run(self, fn: Any) -> None:
+        return None
+
+    async def flush(self) -> None:
         return None
 
 

@@ -17,6 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.engine.engine import LLMEngine
+from radixserve.engine.limits import EngineLimits
+from radixserve.engine.structured_output import GrammarCompiler
+from radixserve.model.tokenizer import ChatTokenizer
 from radixserve.outputs import RequestOutput
 from radixserve.sampling_params import SamplingParams
 
@@ -52,11 +55,15 @@ class AsyncEngine:
         params: SamplingParams,
         request_id: str,
         namespace: Hashable = None,
+        *,
+        replayable: bool = False,
         **options: Any,
     ) -> AsyncIterator[RequestOutput]:
         """Streams cumulative outputs until finished. Leaving the iterator early aborts it.
 
-        Raises ValueError (bad prompt or params) before the first output.
+        Raises ValueError (bad prompt or params) before the first output. `replayable` (the
+        caller keeps only the final output) matters to fronts whose engines can die apart
+        from the caller (`replicas.front`); a local engine fails with its caller.
         """
         stream = _Stream(asyncio.get_running_loop())
         added: concurrent.futures.Future[str] = concurrent.futures.Future()
@@ -101,6 +108,11 @@ class AsyncEngine:
 
         return await self._call(call, done)
 
+    async def flush(self) -> None:
+        """Returns once the engine thread has applied every add and abort queued so far (its
+        inbox runs in order)."""
+        await self.run(lambda engine: None)
+
     def abort(self, request_id: str) -> None:
         """Ends the request within one engine step; safe from any thread, idempotent."""
 
@@ -109,6 +121,28 @@ class AsyncEngine:
             self.engine.abort_request(request_id)
 
         self._inbox.put(drop)
+
+    # ----- the engine's fixed facts, for validation (`server.front.EngineFront`) -----
+
+    @property
+    def tokenizer(self) -> ChatTokenizer:
+        return self.engine.tokenizer
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        return self.engine.grammars
+
+    @property
+    def limits(self) -> EngineLimits:
+        return self.engine.limits
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        """The engine's clock (TTL pins age on it; a test's clock control moves it)."""
+        return self.engine.clock
+
+    def check_prompt(self, ids: list[int], params: SamplingParams) -> None:
+        self.engine.check_prompt(ids, params)
 
     @property
     def num_waiting(self) -> int:

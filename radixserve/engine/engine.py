@@ -11,15 +11,17 @@ import time
 import uuid
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 import radixserve
-from radixserve.cache import make_prefix_cache
+from radixserve.cache import RadixCache, make_prefix_cache
 from radixserve.config import EngineConfig
 from radixserve.engine.detokenizer import Detokenizer
 from radixserve.engine.kv_offload import KVOffload
 from radixserve.engine.kv_pool import KVPool
+from radixserve.engine.limits import EngineLimits
 from radixserve.engine.postprocess import Postprocessor, make_output
 from radixserve.engine.request import Request
 from radixserve.engine.runner import ModelRunner
@@ -37,6 +39,9 @@ from radixserve.kv_tier.blocks import ModelFingerprint, namespace_text, weights_
 from radixserve.kv_tier.store import TierStore
 from radixserve.outputs import RequestOutput
 from radixserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # imported only when events are on: pyzmq is needed for nothing else
+    from radixserve.kv_events import KVEventPublisher, KVEventRecorder
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +77,7 @@ class LLMEngine:
                                  mc.max_position_embeddings)
         self.pool = KVPool(mc.num_layers, kv_pool_pages(config, mc, self.dtype), config.page_size,
                            mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
+        self.limits = EngineLimits(mc.vocab_size, self.max_model_len, self.pool.num_slots)
         self.cache = make_prefix_cache(config.prefix_cache, config.page_size,
                                        self.pool.allocator.release, clock=clock,
                                        max_pinned_tokens=int(self.pool.num_slots
@@ -90,6 +96,12 @@ class LLMEngine:
         # Cumulative seconds: scheduling and bookkeeping vs the model with sampling.
         self.bookkeeping_seconds = 0.0
         self.model_seconds = 0.0
+        # KV cache events for an external router; `kv_events` gives its bound endpoints.
+        # Started last, so that a failed start leaves no thread or bound port behind.
+        self._kv_recorder: KVEventRecorder | None = None
+        self.kv_events: KVEventPublisher | None = None
+        if config.kv_events_endpoint:
+            self._start_kv_events()
         logger.info(
             "model %s (%s, %s on %s, CPU %s): KV pool %d tokens in pages of %d, prefix cache "
             "%s; attention: %s; projections: %s",
@@ -125,11 +137,42 @@ class LLMEngine:
                     "" if store.writable else " (read-only)")
         return KVOffload(store, self.pool, config.kv_offload_block_tokens, clock)
 
+    def _start_kv_events(self) -> None:
+        from radixserve.kv_events import KVEventPublisher, KVEventRecorder
+
+        config = self.config
+        assert config.kv_events_endpoint is not None
+        assert isinstance(self.cache, RadixCache)  # config validation allows radix only
+        medium = "GPU" if self.device.type == "cuda" else "CPU"
+        # The cache keys requests by (model, tenant namespace); events carry the tenant's,
+        # which is what a router can compute from a request.
+        self._kv_recorder = KVEventRecorder(config.kv_events_block_size, medium,
+                                            namespace_of=lambda namespace: namespace[1])
+        self.kv_events = KVEventPublisher(
+            config.kv_events_endpoint, config.kv_events_replay_endpoint,
+            topic=config.kv_events_topic, buffer_steps=config.kv_events_buffer_steps)
+        self.cache.observer = self._kv_recorder
+        logger.info("KV cache events on %s (replay: %s), blocks of %d tokens",
+                    self.kv_events.endpoint, self.kv_events.replay_endpoint or "off",
+                    config.kv_events_block_size)
+
+    def _publish_kv_events(self) -> None:
+        """Sends what the cache did since the last call as one batch (none when nothing)."""
+        if self._kv_recorder is None or self.kv_events is None:
+            return
+        events = self._kv_recorder.drain()
+        if events:
+            self.kv_events.publish(events)
+
     def close(self, timeout: float = 30.0) -> None:
-        """Finishes the disk tier's queued writes (up to `timeout` seconds). Call once the
-        engine has stopped stepping; without a tier it does nothing."""
+        """Finishes the disk tier's queued writes (up to `timeout` seconds) and sends the
+        queued KV cache events. Call once the engine has stopped stepping; without a tier or
+        events it does nothing."""
         if self.offload is not None:
             self.offload.close(timeout)
+        if self.kv_events is not None:
+            self._publish_kv_events()
+            self.kv_events.close()
 
     # ----- requests -----
 
@@ -177,29 +220,13 @@ class LLMEngine:
         """The one check of a request against this engine: its sampling params, and a prompt
         that can be served (not empty, ids in the vocabulary, fits the context and the pool).
         Raises ValueError naming the problem."""
-        params.validate(self.model_config.vocab_size)
-        if params.structured_outputs is not None:
-            self.grammars.check(params.structured_outputs)
-        if not ids:
-            raise ValueError("the prompt is empty")
-        vocab = self.model_config.vocab_size
-        if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(ids)} tokens; this model's context is {self.max_model_len}"
-            )
-        need = len(ids) + params.max_tokens
-        if need > self.pool.num_slots:
-            raise ValueError(
-                f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
-                f"KV pool ({self.pool.num_slots} tokens); lower max_tokens or raise kv_cache_tokens"
-            )
+        self.limits.check(ids, params, self.grammars)
 
     def abort_request(self, request_id: str) -> None:
         """Ends a request at any point; everything it holds is released. Unknown ids: no-op."""
         for request in self.groups.pop(request_id, []):
-            self.scheduler.finish(request, "abort")
+            self.scheduler.finish(request, "abort")  # caches what the request computed
+        self._publish_kv_events()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work()
@@ -208,6 +235,11 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Runs one batch; returns the outputs of every request group that progressed."""
+        outputs = self._step()
+        self._publish_kv_events()
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         started = time.perf_counter()
         plan = self.scheduler.schedule()
         if plan.empty:
@@ -249,6 +281,7 @@ class LLMEngine:
         request = Request("logits", list(token_ids), SamplingParams(max_tokens=1))
         pages = -(-len(token_ids) // self.pool.page_size)
         self.cache.evict(pages * self.pool.page_size - self.pool.allocator.free_slots)
+        self._publish_kv_events()
         request.slots = self.pool.allocator.allocate(pages)
         try:
             plan = SchedulerOutput(prefills=[ScheduledChunk(request, len(token_ids))])

@@ -3,6 +3,8 @@ drain state.
 
 `create_app(aengine, settings)` builds everything per app (metrics registry, submission
 service, drain state), so tests can make several; other routers mount onto the app it returns.
+The engine behind it is a local one (`AsyncEngine`) or replicas (`replicas.front`, with
+`replicas` giving their per-replica snapshots to /metrics).
 """
 
 from __future__ import annotations
@@ -18,13 +20,14 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
-from radixserve.engine.async_engine import AsyncEngine, EngineDeadError
+from radixserve.engine.async_engine import EngineDeadError
 from radixserve.server.accounting import CacheLedger
 from radixserve.server.anthropic_protocol import CountTokensRequest, MessagesRequest
 from radixserve.server.anthropic_routes import install_anthropic_api
-from radixserve.server.context import ServerContext, context_of
+from radixserve.server.context import ReplicaView, ServerContext, context_of
 from radixserve.server.dashboard import install_dashboard
 from radixserve.server.errors import install_error_handlers
+from radixserve.server.front import EngineFront
 from radixserve.server.metrics import EngineSnapshot, ServerMetrics, take_snapshot
 from radixserve.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from radixserve.server.openai_routes import build_openai_router
@@ -33,22 +36,27 @@ from radixserve.server.settings import ServerSettings
 from radixserve.server.stats_routes import install_cache_stats
 
 
-def create_app(aengine: AsyncEngine, settings: ServerSettings | None = None) -> FastAPI:
+def create_app(aengine: EngineFront, settings: ServerSettings | None = None,
+               replicas: ReplicaView | None = None) -> FastAPI:
     """An app serving `aengine`. The caller owns the engine and shuts it down after the app."""
     settings = settings or ServerSettings()
     metrics = ServerMetrics(settings.model_name, settings.metrics_compat)
     lifecycle = Lifecycle()
     service = EngineService(aengine, settings, metrics, lifecycle)
-    ctx = ServerContext(aengine, settings, metrics, lifecycle, service, created=int(time.time()))
-    # TTL pins and vendor cache entries must age on one clock (stand-in engines may have none).
-    clock = getattr(aengine.engine, "clock", time.monotonic)
+    ctx = ServerContext(aengine, settings, metrics, lifecycle, service, created=int(time.time()),
+                        replicas=replicas)
+    # TTL pins and vendor cache entries must age on one clock: the engine's.
+    clock = aengine.clock
     ledger = CacheLedger(settings, metrics, clock)
     service.default_usage = ledger.openai
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         lifecycle.attach()
-        async with stats.sampling(aengine):  # the pool series of /v1/cache/stats
+        if replicas is None:
+            async with stats.sampling(aengine):  # the pool series of /v1/cache/stats
+                yield
+        else:  # the stats endpoint is per engine (see stats_routes): nothing to sample
             yield
         # uvicorn has drained the connections by now; wait for the engine to apply their
         # aborts before the loop closes under it.
@@ -97,9 +105,13 @@ async def _snapshot(ctx: ServerContext) -> EngineSnapshot | None:
 
 
 async def metrics_text(request: Request) -> Response:
-    """Prometheus text exposition; engine figures are a consistent snapshot. No auth."""
+    """Prometheus text exposition; engine figures are a consistent snapshot (behind replicas:
+    one per replica, labelled `replica`). No auth."""
     ctx = context_of(request)
-    body = ctx.metrics.render(await _snapshot(ctx))
+    if ctx.replicas is not None:
+        body = ctx.metrics.render_replicas(await ctx.replicas.snapshots())
+    else:
+        body = ctx.metrics.render(await _snapshot(ctx))
     return Response(body, media_type=CONTENT_TYPE_LATEST)
 
 

@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from types import FrameType
 from typing import TYPE_CHECKING, TypeVar
 
@@ -26,6 +27,7 @@ from radixserve.config import (
     SCHEDULE_POLICIES,
     EngineConfig,
 )
+from radixserve.replicas.launch import add_flags as add_replica_flags
 from radixserve.server.settings import (
     CACHE_ACCOUNTING_MODES,
     DEFAULT_MODEL_NAME,
@@ -37,7 +39,6 @@ from radixserve.server.tool_parsers import PARSERS
 if TYPE_CHECKING:  # imported when serving only, so that `radixserve --help` stays fast
     from fastapi import FastAPI
 
-    from radixserve.engine.async_engine import AsyncEngine
     from radixserve.engine.engine import LLMEngine
 
 logger = logging.getLogger("radixserve.server")
@@ -68,6 +69,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     _model_flags(p.add_argument_group("model"))
     _cache_flags(p.add_argument_group("KV cache and scheduling"))
     _tier_flags(p.add_argument_group("disk KV tier (off unless --kv-offload-dir is given)"))
+    _events_flags(p.add_argument_group("KV cache events (for an external router: llm-d, Dynamo)"))
+    add_replica_flags(p.add_argument_group(
+        "replicas on Ray Serve (off unless --replicas is given; needs radixserve[ray])"))
     http = p.add_argument_group("HTTP")
     _http_flags(http)
     _accounting_flags(p.add_argument_group("prompt-cache accounting and cost"))
@@ -160,6 +164,26 @@ def _tier_flags(tier: argparse._ArgumentGroup) -> None:
                            "and counted (pinned prefixes are always written)")
 
 
+def _events_flags(events: argparse._ArgumentGroup) -> None:
+    events.add_argument("--kv-events-endpoint", default=None, metavar="ZMQ_ENDPOINT",
+                        help="publish what the radix prefix cache stores and evicts (vLLM's "
+                             "KV event schema, msgpack over a ZMQ PUB socket bound here, e.g. "
+                             "tcp://*:5557; port 0 picks a free one); off when unset; needs "
+                             "--prefix-cache radix")
+    events.add_argument("--kv-events-replay-endpoint", default=None, metavar="ZMQ_ENDPOINT",
+                        help="ZMQ ROUTER socket bound here answers replay requests: a "
+                             "subscriber sends a start sequence number and gets the buffered "
+                             f"batches from it on (the last "
+                             f"{EngineConfig.kv_events_buffer_steps:,}), e.g. tcp://*:5558")
+    events.add_argument("--kv-events-block-size", type=int, metavar="TOKENS",
+                        default=EngineConfig.kv_events_block_size,
+                        help="tokens per hashed block in the events; a multiple of --page-size")
+    # SUPPRESS: unset leaves EngineConfig's empty topic, without a blank "(default: )".
+    events.add_argument("--kv-events-topic", default=argparse.SUPPRESS, metavar="TOPIC",
+                        help="ZMQ topic (first frame) of every event message, which "
+                             "subscribers filter on by prefix; unset: empty")
+
+
 def _http_flags(http: argparse._ArgumentGroup) -> None:
     http.add_argument("--host", default="127.0.0.1", help="address to listen on")
     http.add_argument("--port", type=int, default=8000, help="port to listen on")
@@ -236,6 +260,10 @@ class _CannotStart(Exception):
 def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.replicas is not None:
+        from radixserve.replicas.launch import serve_replicas
+
+        return serve_replicas(args)
     # Heavy imports here, so `radixserve --help` stays fast.
     from radixserve.engine.async_engine import AsyncEngine
     from radixserve.server.app import create_app
@@ -253,7 +281,11 @@ def serve(args: argparse.Namespace) -> int:
         "http://%s:%d", engine.model_path, ", ".join(settings.served_model_names),
         engine.pool.num_slots, config.page_size, str(engine.dtype).removeprefix("torch."),
         config.prefix_cache, args.host, args.port)
-    started = _run(app, aengine, args, settings)
+    def stop() -> None:
+        aengine.shutdown()
+        engine.close()  # the disk tier's queued writes
+
+    started = run_app(app, args, settings, stop)
     logger.info("stopped")
     return 0 if started else 1
 
@@ -280,10 +312,10 @@ def _load(args: argparse.Namespace) -> tuple[ServerSettings, LLMEngine]:
         raise _CannotStart(f"cannot load the model: {exc}", 1) from exc
 
 
-def _run(app: FastAPI, aengine: AsyncEngine, args: argparse.Namespace,
-         settings: ServerSettings) -> bool:
-    """Serves until a signal has drained the app, then stops the engine; whether uvicorn
-    started at all."""
+def run_app(app: FastAPI, args: argparse.Namespace, settings: ServerSettings,
+            stop: Callable[[], None]) -> bool:
+    """Serves until a signal has drained the app, then calls `stop` (the engine's); whether
+    uvicorn started at all."""
     import uvicorn
 
     lifecycle = app.state.radixserve.lifecycle
@@ -308,8 +340,7 @@ def _run(app: FastAPI, aengine: AsyncEngine, args: argparse.Namespace,
     try:
         server.run()
     finally:
-        aengine.shutdown()
-        aengine.engine.close()  # the disk tier's queued writes
+        stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return bool(server.started)

@@ -5,50 +5,60 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from fastapi import Request
 
-from radixserve.engine.async_engine import AsyncEngine
-from radixserve.engine.engine import LLMEngine
 from radixserve.model.tokenizer import ChatTokenizer
 from radixserve.server.errors import model_not_found
-from radixserve.server.metrics import ServerMetrics
+from radixserve.server.front import EngineFront
+from radixserve.server.metrics import EngineSnapshot, ServerMetrics
 from radixserve.server.serving import EngineService, Lifecycle
 from radixserve.server.settings import ServerSettings
 from radixserve.server.tool_parsers import family_for_template
 
 
+class ReplicaView(Protocol):
+    """The engines behind a replica ingress, as /metrics and /health see them."""
+
+    async def snapshots(self) -> dict[str, EngineSnapshot]:
+        """Each live replica's engine snapshot, by replica id."""
+        ...
+
+
 @dataclass
 class ServerContext:
-    aengine: AsyncEngine
+    aengine: EngineFront
     settings: ServerSettings
     metrics: ServerMetrics
     lifecycle: Lifecycle
     service: EngineService
     created: int = 0  # unix time the app was made: the models' `created`
+    # Behind a replica ingress: per-replica engine snapshots for /metrics (None: one engine).
+    replicas: ReplicaView | None = None
     _token_text: dict[int, str] = field(default_factory=dict)
 
     @property
-    def engine(self) -> LLMEngine:
-        """The engine itself, for what is fixed once it is built (limits, tokenizer, checks);
-        everything that changes goes through `service` and the engine thread."""
-        return self.aengine.engine
+    def engine(self) -> EngineFront:
+        """The engine's front, for what is fixed once it is built (limits, tokenizer, checks);
+        everything that changes goes through `service`."""
+        return self.aengine
 
     @property
     def tokenizer(self) -> ChatTokenizer:
-        return self.engine.tokenizer
+        return self.aengine.tokenizer
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.max_model_len
+        return self.aengine.limits.max_model_len
 
-    @functools.cached_property
+    @property
     def kv_capacity(self) -> int:
-        return self.engine.pool.num_slots
+        return self.aengine.limits.kv_capacity
 
     @property
     def vocab_size(self) -> int:
-        return self.engine.model_config.vocab_size
+        return self.aengine.limits.vocab_size
 
     @functools.cached_property
     def tool_call_parser(self) -> str:

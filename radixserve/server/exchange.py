@@ -150,7 +150,8 @@ async def handle(request: Request, prepare: Prepare) -> Response:
     exchange = await prepare(ctx, request, raw)
     ctx.service.admit(exchange.num_jobs)
     jobs = exchange.start()
-    outputs = ctx.service.generate(jobs, exchange.response_id, received)
+    outputs = ctx.service.generate(jobs, exchange.response_id, received,
+                                   replayable=not exchange.stream)
     if exchange.stream:
         return await _stream(request, exchange, jobs, outputs)
     connected, finals = await until_disconnected(request, _collect(outputs, len(jobs)))

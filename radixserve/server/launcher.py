@@ -89,24 +89,28 @@ _SAMPLE = re.compile(r"^radixserve:([A-Za-z0-9_:]+)(?:\{([^}]*)\})?\s+(\S+)$")
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
-def parse_metrics(text: str) -> dict[str, float]:
+def parse_metrics(text: str, by_replica: bool = False) -> dict[str, float]:
     """`radixserve:` samples keyed by name without the prefix, plus labels other than
-    model_name: `kv_cache_tokens{state=free}`, `request_success_total{finished_reason=stop}`."""
+    model_name: `kv_cache_tokens{state=free}`, `request_success_total{finished_reason=stop}`.
+    Behind replicas, engine figures are summed over the `replica` label (the cluster's), unless
+    `by_replica` keeps it."""
     found: dict[str, float] = {}
+    dropped = {"model_name"} if by_replica else {"model_name", "replica"}
     for line in text.splitlines():
         match = _SAMPLE.match(line)
         if match is None:
             continue
         name, labels, value = match.groups()
-        pairs = [f"{k}={v}" for k, v in _LABEL.findall(labels or "") if k != "model_name"]
-        found[f"{name}{{{','.join(pairs)}}}" if pairs else name] = float(value)
+        pairs = [f"{k}={v}" for k, v in _LABEL.findall(labels or "") if k not in dropped]
+        key = f"{name}{{{','.join(pairs)}}}" if pairs else name
+        found[key] = found.get(key, 0.0) + float(value)
     return found
 
 
-def read_metrics(base_url: str) -> dict[str, float]:
+def read_metrics(base_url: str, by_replica: bool = False) -> dict[str, float]:
     response = httpx.get(base_url + "/metrics", timeout=60.0, trust_env=False)
     response.raise_for_status()
-    return parse_metrics(response.text)
+    return parse_metrics(response.text, by_replica)
 
 
 def wait_idle(base_url: str, timeout_s: float = 60.0) -> dict[str, float]:

@@ -68,18 +68,26 @@ def take_snapshot(engine: LLMEngine) -> EngineSnapshot:
 
 
 class _EngineCollector(Collector):
-    """Emits the latest snapshot's figures; the /metrics route refreshes it before a scrape."""
+    """Emits the latest snapshots' figures; the /metrics route refreshes them before a scrape.
+    One engine: labelled by model only; replicas (keyed by id): each labelled `replica` too."""
 
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
-        self.snapshot: EngineSnapshot | None = None
+        self.snapshots: dict[str | None, EngineSnapshot] = {}
 
     def collect(self) -> Iterator[Metric]:
-        snap = self.snapshot
-        if snap is None:
-            return
-        label = ["model_name"]
-        value = [self.model_name]
+        families: dict[str, Metric] = {}
+        for replica, snap in sorted(self.snapshots.items(), key=lambda kv: str(kv[0])):
+            for family in self._families(snap, replica):
+                if family.name in families:
+                    families[family.name].samples.extend(family.samples)
+                else:
+                    families[family.name] = family
+        yield from families.values()
+
+    def _families(self, snap: EngineSnapshot, replica: str | None) -> Iterator[Metric]:
+        label = ["model_name"] if replica is None else ["model_name", "replica"]
+        value = [self.model_name] if replica is None else [self.model_name, replica]
 
         def counter(name: str, doc: str, amount: float) -> Metric:
             family = CounterMetricFamily(PREFIX + name, doc, labels=label)
@@ -118,17 +126,18 @@ class _EngineCollector(Collector):
             PREFIX + "kv_cache_tokens", "KV slots by state: free, evictable (cached, unlocked), "
             "protected (cached, locked by a request), pinned (cached, held by a TTL), private "
             "(a running request's own). At idle protected and private are 0.",
-            labels=["model_name", "state"])
+            labels=[*label, "state"])
         for state in ("free", "evictable", "protected", "pinned", "private"):
-            slots.add_metric([self.model_name, state], getattr(pool, state))
+            slots.add_metric([*value, state], getattr(pool, state))
         yield slots
         yield gauge("prefix_cache_nodes", "Nodes (radix) or blocks (hash) in the prefix cache.",
                     snap.cache.nodes)
         if snap.tier is not None:
-            yield from self._tier(snap, counter, gauge)
+            yield from self._tier(snap, counter, gauge, label, value)
 
     def _tier(self, snap: EngineSnapshot, counter: Callable[[str, str, float], Metric],
-              gauge: Callable[[str, str, float], Metric]) -> Iterator[Metric]:
+              gauge: Callable[[str, str, float], Metric], label: list[str],
+              value: list[str]) -> Iterator[Metric]:
         tier = snap.tier
         assert tier is not None
         c = tier.counters
@@ -149,9 +158,9 @@ class _EngineCollector(Collector):
         errors = CounterMetricFamily(
             PREFIX + "kv_tier_errors", "Tier entries that could not be used, by kind: missing, "
             "truncated, corrupt, foreign (another block or model), io, write.",
-            labels=["model_name", "kind"])
+            labels=[*label, "kind"])
         for kind, count in c.errors.items():
-            errors.add_metric([self.model_name, kind], count)
+            errors.add_metric([*value, kind], count)
         yield errors
         buckets, total = [], 0
         for bound, count in zip(LOAD_BUCKETS, c.load_buckets, strict=True):
@@ -160,8 +169,8 @@ class _EngineCollector(Collector):
         buckets.append(("+Inf", c.load_count))
         load = HistogramMetricFamily(
             PREFIX + "kv_tier_load_seconds", "Time to load one request's blocks from the tier "
-            "into the KV pool (read, check, copy).", labels=["model_name"])
-        load.add_metric([self.model_name], buckets, c.load_seconds)
+            "into the KV pool (read, check, copy).", labels=label)
+        load.add_metric(value, buckets, c.load_seconds)
         yield load
 
 
@@ -236,5 +245,11 @@ class ServerMetrics:
     def render(self, snapshot: EngineSnapshot | None) -> bytes:
         """The text exposition; `snapshot` refreshes the engine figures (None keeps the last)."""
         if snapshot is not None:
-            self._engine.snapshot = snapshot
+            self._engine.snapshots = {None: snapshot}
+        return generate_latest(self._exposition)
+
+    def render_replicas(self, snapshots: dict[str, EngineSnapshot]) -> bytes:
+        """The exposition behind a replica ingress: each replica's engine figures, labelled
+        `replica` (sum them for the cluster); the request-side ones are the ingress's own."""
+        self._engine.snapshots = dict(snapshots)
         return generate_latest(self._exposition)

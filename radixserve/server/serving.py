@@ -16,11 +16,12 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from radixserve.engine.async_engine import AsyncEngine, EngineDeadError
+from radixserve.engine.async_engine import EngineDeadError
 from radixserve.outputs import RequestOutput
 from radixserve.sampling_params import SamplingParams
 from radixserve.server.auth import CacheNamespace
 from radixserve.server.errors import APIError, bad_request
+from radixserve.server.front import EngineFront
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.settings import ServerSettings
 
@@ -160,7 +161,7 @@ class EngineService:
     """Submits jobs to the engine on behalf of the routes."""
 
     def __init__(
-        self, aengine: AsyncEngine, settings: ServerSettings, metrics: ServerMetrics,
+        self, aengine: EngineFront, settings: ServerSettings, metrics: ServerMetrics,
         lifecycle: Lifecycle,
     ) -> None:
         self.aengine = aengine
@@ -195,11 +196,12 @@ class EngineService:
                 headers={"retry-after": str(self.settings.retry_after_s)})
 
     async def generate(
-        self, jobs: list[Job], request_id: str, received_at: float
+        self, jobs: list[Job], request_id: str, received_at: float, replayable: bool = False,
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Streams (job index, cumulative output) until every job finishes.
 
-        Call `admit` first. Closing the iterator early (client gone) aborts every job; engine
+        Call `admit` first. `replayable`: the caller keeps only each job's final output (a
+        front over replicas may then rerun a job whose replica died, see `EngineFront`). Closing the iterator early (client gone) aborts every job; engine
         errors surface as APIError (400 for a prompt the engine refuses, 503 if it stopped).
         """
         self.lifecycle.attach()
@@ -208,7 +210,7 @@ class EngineService:
         usage = [job.usage or (self.default_usage(job) if self.default_usage else None)
                  for job in jobs]
         ids = [request_id if len(jobs) == 1 else f"{request_id}-p{i}" for i in range(len(jobs))]
-        pumps = [asyncio.create_task(self._pump(i, job, rid, stream))
+        pumps = [asyncio.create_task(self._pump(i, job, rid, stream, replayable))
                  for i, (job, rid) in enumerate(zip(jobs, ids, strict=True))]
         self.lifecycle.register(stream)
         self.num_queued += len(jobs)
@@ -246,10 +248,11 @@ class EngineService:
                     self.on_job_end(JobEnd(rid, tracker.job, tracker.cached_tokens,
                                            tracker.ttft_s, job_usage))
 
-    async def _pump(self, index: int, job: Job, request_id: str, stream: asyncio.Queue[_Item]) -> None:
+    async def _pump(self, index: int, job: Job, request_id: str, stream: asyncio.Queue[_Item],
+                    replayable: bool) -> None:
         options = {"pins": list(job.pins)} if job.pins else {}
         outputs = self.aengine.generate(job.prompt_ids, job.params, request_id,
-                                        namespace=job.namespace, **options)
+                                        namespace=job.namespace, replayable=replayable, **options)
         first = asyncio.ensure_future(anext(outputs))
         finished = False
         try:
@@ -284,7 +287,7 @@ class EngineService:
         # The engine thread runs its inbox in order: once this no-op has run, so have the
         # add and the abort queued before it, and cancelling can no longer hit the add.
         with contextlib.suppress(EngineDeadError):
-            await self.aengine.run(lambda engine: None)
+            await self.aengine.flush()
         first.cancel()
         await asyncio.wait([first])
         if not first.cancelled():
@@ -299,8 +302,7 @@ class EngineService:
         if self.aengine.alive:
             with contextlib.suppress(EngineDeadError, asyncio.TimeoutError):
                 # The inbox runs in order: once this no-op has run, so have the aborts.
-                await asyncio.wait_for(asyncio.shield(self.aengine.run(lambda engine: None)),
-                                       timeout_s)
+                await asyncio.wait_for(asyncio.shield(self.aengine.flush()), timeout_s)
 
     def _translate(self, exc: BaseException) -> APIError:
         if isinstance(exc, APIError):

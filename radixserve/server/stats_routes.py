@@ -100,6 +100,12 @@ async def _engine_view(
         tree = engine.cache.top_prefixes(TREE_NODES_SHOWN, TREE_NODES_VISITED, visible)
         return take_snapshot(engine), tree
 
+    if ctx.replicas is not None:
+        # The tree and the pool series are one engine's; the ingress has no per-replica channel
+        # for them yet. /metrics carries every replica's figures, labelled by replica.
+        raise APIError(501, "/v1/cache/stats describes one engine; behind --replicas, read "
+                       "/metrics (each replica's figures, labelled replica).",
+                       type="not_implemented", code="not_available_with_replicas")
     if not ctx.aengine.alive:
         raise _engine_stopped()
     # Shielded: a cancelled engine call would break the engine thread (see serving._pump).

@@ -1,0 +1,239 @@
+"""`radixserve serve --replicas N`: N engine replicas as a Ray Serve application, behind this
+process's HTTP server (the same app as the single server, over `front.ReplicaFront`).
+
+The ingress is this process, not a Serve HTTP proxy: it renders, tokenizes and validates each
+request once and hands the replicas token ids, so no replica re-tokenizes and the router reads
+block hashes rather than text. Ray restarts a replica that dies; the ingress is the process
+you run (and supervise) as with the single server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import time
+import uuid
+from typing import Any
+
+logger = logging.getLogger("radixserve.replicas")
+
+APP_PREFIX = "radixserve"  # + the ingress's key: several ingresses may share a cluster
+DEPLOYMENT_NAME = "engine"
+# Serve polls each replica's engine snapshot (for /metrics) this often.
+STATS_PERIOD_S = 1.0
+# --router choices (replicas.router.router_class); "ray-prefix" is Ray's own, for comparison.
+ROUTER_NAMES = ("prefix", "pow2", "round-robin", "ray-prefix")
+
+
+def add_flags(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--replicas", type=int, default=None, metavar="N",
+                       help="serve N engine replicas on Ray Serve behind this server, routed "
+                            "by the prefixes each replica's cache holds; unset: one engine in "
+                            "this process (needs the ray extra: pip install radixserve[ray])")
+    group.add_argument("--ray-address", default=None, metavar="ADDR",
+                       help="join this Ray cluster (e.g. ray://host:10001 or auto) instead of "
+                            "starting a local one")
+    group.add_argument("--router", choices=ROUTER_NAMES, default="prefix",
+                       help="prefix: longest prefix each replica's KV events show, then load; "
+                            "pow2: power of two choices; round-robin; ray-prefix: Ray's own "
+                            "PrefixCacheAffinityRouter (characters of routed prompts), for "
+                            "comparison")
+    group.add_argument("--router-imbalance-threshold", type=int, default=4, metavar="N",
+                       help="prefix router: a replica with more than N requests in flight "
+                            "beyond the least loaded one is passed over")
+    group.add_argument("--router-min-match-tokens", type=int, default=64, metavar="TOKENS",
+                       help="prefix router: a cached prefix shorter than this is not worth "
+                            "following; such requests go where load is lowest")
+    group.add_argument("--cpus-per-replica", type=float, default=None, metavar="N",
+                       help="Ray CPUs each replica reserves (and its torch threads, unless "
+                            "--num-threads); unset: the local cluster's CPUs / N, else 1")
+    group.add_argument("--replica-max-ongoing", type=int, default=256, metavar="N",
+                       help="requests Serve sends one replica at a time (its engine queues "
+                            "them)")
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """Raises ValueError for flags the replicas cannot honour."""
+    if args.replicas < 1:
+        raise ValueError("--replicas must be >= 1")
+    if args.enable_clock_control:
+        raise ValueError("--enable-clock-control moves one engine's clock; it is not "
+                         "available with --replicas")
+    if args.router == "prefix" and args.prefix_cache != "radix":
+        raise ValueError("--router prefix follows the replicas' radix trees; it needs "
+                         "--prefix-cache radix (or choose --router pow2 / round-robin)")
+    if args.kv_events_endpoint or args.kv_events_replay_endpoint:
+        raise ValueError("with --replicas each replica publishes its KV events on a port of "
+                         "its own (GET /v1/replicas lists them); drop --kv-events-endpoint")
+    if args.router_imbalance_threshold < 0 or args.router_min_match_tokens < 0:
+        raise ValueError("--router-imbalance-threshold and --router-min-match-tokens must be "
+                         ">= 0")
+
+
+def serve_replicas(args: argparse.Namespace) -> int:
+    from radixserve.server.cli import _CannotStart, _engine_config, _settings, run_app
+
+    try:
+        check_flags(args)
+        settings = _settings(args)
+        config = _engine_config(args)
+    except ValueError as exc:
+        print(f"error: {exc}")
+        return 2
+    try:
+        import ray
+    except ImportError:
+        print("error: --replicas needs Ray: pip install 'radixserve[ray]'")
+        return 2
+    # Only a cluster this process started is ours to stop; a joined one keeps running (other
+    # applications may be on it) and loses only our application.
+    started_ray = not args.ray_address
+    if args.ray_address:
+        ray.init(address=args.ray_address, logging_level="warning")
+    else:
+        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, logging_level="warning")
+    app_name = f"{APP_PREFIX}-{uuid.uuid4().hex[:12]}"
+    try:
+        app, front = _deploy(args, config, settings, app_name)
+    except (_CannotStart, ValueError, RuntimeError) as exc:
+        print(f"error: cannot start the replicas: {exc}")
+        _teardown(app_name, started_ray)
+        return 1
+
+    def stop() -> None:
+        front.shutdown()
+        _teardown(app_name, started_ray)
+
+    logger.info("serving %d replicas of %s as %s | router %s | http://%s:%d", args.replicas,
+                front.facts.model_path, ", ".join(settings.served_model_names), args.router,
+                args.host, args.port)
+    started = run_app(app, args, settings, stop)
+    logger.info("stopped")
+    return 0 if started else 1
+
+
+def _deploy(args: argparse.Namespace, config: Any, settings: Any,
+            app_name: str) -> tuple[Any, Any]:
+    import ray
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    from radixserve.model.loader import load_tokenizer
+    from radixserve.replicas.deployment import EngineReplica
+    from radixserve.replicas.front import ReplicaDirectory, ReplicaFront
+    from radixserve.replicas.router import router_class
+    from radixserve.server.app import create_app
+
+    cpus = args.cpus_per_replica
+    if cpus is None:
+        total = ray.cluster_resources().get("CPU", 1.0)
+        cpus = 1.0 if args.ray_address else max(1.0, total // args.replicas)
+    threads = config.num_threads or max(1, int(cpus))
+    # Every replica publishes its KV events (on ports of its own: deployment.EngineReplica).
+    config = dataclasses.replace(config, num_threads=threads)
+    kwargs: dict[str, Any] = {"ingress_key": app_name}
+    if args.router == "prefix":
+        kwargs.update(imbalance_threshold=args.router_imbalance_threshold,
+                      min_match_tokens=args.router_min_match_tokens)
+    serve.start(http_options={"location": "NoServer"})  # this process is the HTTP ingress
+    deployment = serve.deployment(
+        EngineReplica, name=DEPLOYMENT_NAME, num_replicas=args.replicas,
+        ray_actor_options={"num_cpus": cpus},
+        max_ongoing_requests=args.replica_max_ongoing,
+        health_check_period_s=2.0, health_check_timeout_s=30.0,
+        graceful_shutdown_timeout_s=10.0,
+        request_router_config=RequestRouterConfig(
+            request_router_class=router_class(args.router), request_router_kwargs=kwargs,
+            request_routing_stats_period_s=STATS_PERIOD_S),
+    )
+    started = time.monotonic()
+    handle = serve.run(deployment.bind(config), name=app_name, route_prefix=None)
+    # The first call also makes Serve build the router in this process.
+    facts = handle.describe.remote().result(timeout_s=120)
+    logger.info("%d replicas ready in %.1f s", args.replicas, time.monotonic() - started)
+    directory = ReplicaDirectory(app_name)
+    front = ReplicaFront(handle, facts, load_tokenizer(facts.model_path), directory,
+                         with_text=args.router == "ray-prefix")
+    app = create_app(front, settings, replicas=directory)
+    app.add_api_route("/v1/replicas", _replicas_route(directory, front), methods=["GET"],
+                      tags=["ops"])
+    app.add_api_route("/v1/replicas/match", _match_route(directory, front), methods=["POST"],
+                      tags=["ops"])
+    return app, front
+
+
+def _replicas_route(directory: Any, front: Any) -> Any:
+    from fastapi import Request
+
+    from radixserve.server.auth import authenticate
+    from radixserve.server.context import context_of
+
+    async def replicas(request: Request) -> dict[str, Any]:
+        """The replicas behind this ingress: their KV-event endpoints (for an external router),
+        process ids, queues as last reported, and the router's own cost. Authenticated like
+        the API: it names internal addresses."""
+        authenticate(request, context_of(request).settings)
+        routed, seconds = directory.route_cost()
+        return {
+            "replicas": directory.describe(),
+            "router": {"requests": routed,
+                       "mean_ms": seconds * 1e3 / routed if routed else 0.0,
+                       "retried_requests": front.retries},
+        }
+
+    replicas.__annotations__["request"] = Request  # see _match_route
+    return replicas
+
+
+def _match_route(directory: Any, front: Any) -> Any:
+    from fastapi import Request
+    from pydantic import BaseModel, ValidationError
+
+    from radixserve.kv_events import block_hashes
+    from radixserve.server.auth import authenticate, cache_namespace
+    from radixserve.server.context import context_of
+    from radixserve.server.errors import APIError, bad_request
+
+    class MatchRequest(BaseModel):
+        prompt: str | list[int]
+        cache_salt: str | None = None
+
+    async def match(request: Request) -> dict[str, Any]:
+        """How many leading tokens of a prompt each replica holds, as the router's index
+        knows it from their KV events (body: `prompt`, text or token ids, completions-style,
+        and `cache_salt`; the namespace is the one a request with this key and salt gets)."""
+        ctx = context_of(request)
+        try:
+            body = MatchRequest.model_validate_json(await request.body())
+        except ValidationError as exc:
+            raise bad_request(f"invalid body: {exc.errors()[0]['msg']}") from None
+        namespace = cache_namespace(ctx.settings, authenticate(request, ctx.settings),
+                                    body.cache_salt)
+        ids = front.tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else body.prompt
+        router = directory.router()
+        if router is None or not hasattr(router, "held_tokens"):
+            raise APIError(501, "only the prefix router keeps an index of what replicas hold",
+                           type="not_implemented", code="no_prefix_index")
+        size = front.facts.block_size
+        held = router.held_tokens(block_hashes(ids, namespace, size), size)
+        return {"prompt_tokens": len(ids), "block_size": size, "replicas": held}
+
+    # This module's annotations are strings (postponed), and Request is imported here, not at
+    # module level (`radixserve --help` stays fast): give FastAPI the class itself.
+    match.__annotations__["request"] = Request
+    return match
+
+
+def _teardown(app_name: str, started_ray: bool) -> None:
+    import ray
+    from ray import serve
+
+    try:
+        serve.delete(app_name)
+    except Exception:  # the cluster may be gone already; nothing left to stop then
+        logger.debug("serve.delete failed", exc_info=True)
+    if started_ray:
+        serve.shutdown()
+    ray.shutdown()

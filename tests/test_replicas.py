@@ -1,0 +1,347 @@
+"""`radixserve serve --replicas 2` on a real local Ray cluster: the single server's OpenAI and
+Anthropic SDK tests run again through the replicas' ingress, then routing (prefix vs power of
+two), tenants, eviction and a replica killed under load.
+
+One cluster for the module: the first server starts it, the others join it (`--ray-address
+auto`) with applications of their own; each replica reserves a quarter of a CPU so that three
+deployments fit the 2-core machine's cluster (they take turns computing).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import inspect
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx
+import pytest
+
+from radixserve.model.tokenizer import ChatTokenizer
+from radixserve.server.launcher import ServerProcess, read_metrics, wait_idle
+from tests import test_anthropic_messages as anthropic_suite
+from tests import test_server_openai as openai_suite
+from tests.conftest import running_server
+
+MODEL = "SmolLM2-135M-Instruct"
+# 4,096-token pools: the suites' longest prompt (2,000 tokens) fits; pressure is cheap to make.
+REPLICA_FLAGS = ("--replicas", "2", "--num-threads", "1", "--cpus-per-replica", "0.25",
+                 "--kv-cache-tokens", "4096")
+KEY = anthropic_suite.KEY
+
+
+@pytest.fixture(scope="module")
+def server(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    with running_server(tmp_path_factory, *REPLICA_FLAGS, "--max-request-bytes",
+                        str(openai_suite.MAX_REQUEST_BYTES), name="replicas") as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def keyed(server: ServerProcess, tmp_path_factory: pytest.TempPathFactory
+          ) -> Iterator[ServerProcess]:
+    """Replicas behind an API key (the Anthropic suite's server), on the same cluster."""
+    with running_server(tmp_path_factory, *REPLICA_FLAGS, "--ray-address", "auto",
+                        "--api-key", KEY, name="keyed") as proc:
+        yield proc
+
+
+tokenizer = openai_suite.tokenizer
+bank = openai_suite.bank
+
+
+@pytest.fixture(scope="module")
+def anthropic_client(keyed: ServerProcess) -> Iterator[anthropic.Anthropic]:
+    with anthropic.Anthropic(base_url=keyed.base_url, api_key=KEY, max_retries=0,
+                             timeout=300) as c:
+        yield c
+
+
+# ----- the single server's SDK tests, through the ingress -----
+
+def _rebound(test: Callable[..., Any], renames: dict[str, str]) -> Callable[..., Any]:
+    """`test` asking for fixtures under other names (the Anthropic suite's `client`)."""
+    back = {new: old for old, new in renames.items()}
+    signature = inspect.signature(test)
+
+    @functools.wraps(test)
+    def rebound(**kwargs: Any) -> Any:
+        return test(**{back.get(k, k): v for k, v in kwargs.items()})
+
+    del rebound.__wrapped__  # pytest would read the original signature through it
+    rebound.__signature__ = signature.replace(  # type: ignore[attr-defined]
+        parameters=[p.replace(name=renames.get(p.name, p.name))
+                    for p in signature.parameters.values()])
+    return rebound
+
+
+for _name, _test in vars(openai_suite).items():
+    if _name.startswith("test_") and callable(_test):
+        globals()[f"test_openai_{_name[5:]}"] = _test
+for _name, _test in vars(anthropic_suite).items():
+    if _name.startswith("test_") and callable(_test):
+        globals()[f"test_anthropic_{_name[5:]}"] = _rebound(
+            _test, {"client": "anthropic_client", "server": "keyed"})
+
+
+# ----- routing -----
+
+def _prefixes(tokenizer: ChatTokenizer, count: int, tokens: int, tag: str) -> list[str]:
+    """`count` distinct texts of about `tokens` tokens each."""
+    out = []
+    heads = ["Apple", "Boat", "Cloud", "Drum", "Eagle", "Forest", "Guitar", "Harbor", "Island",
+             "Jungle", "Kettle", "Lemon"]
+    for i in range(count):
+        # A distinct first word: no two prompts share even their first token by accident.
+        words = [f"{heads[i]} {tag}{i}"] + [
+            f"{tag}{i}-{j % 97} item{j} says {['red', 'green', 'blue', 'gold'][j % 4]}."
+            for j in range(tokens)]
+        text = " ".join(words)
+        ids = tokenizer.encode(text)[:tokens]
+        out.append(tokenizer.decode(ids))
+    return out
+
+
+def _complete(base_url: str, prompt: str | list[int], max_tokens: int = 1,
+              headers: dict[str, str] | None = None, **extra: Any) -> dict[str, Any]:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            **extra}
+    r = httpx.post(base_url + "/v1/completions", json=body, headers=headers, timeout=300,
+                   trust_env=False)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _cached(response: dict[str, Any]) -> int:
+    return response["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def _queries_by_replica(base_url: str) -> dict[str, float]:
+    m = read_metrics(base_url, by_replica=True)
+    return {k.split("replica=")[1].rstrip("}"): v for k, v in m.items()
+            if k.startswith("prefix_cache_queries_total{")}
+
+
+def _oracle(prompts: list[list[int]]) -> list[int]:
+    """What one radix-cached engine (page size 1, nothing evicted) reports as cached: the
+    longest common prefix with any earlier prompt, at most all tokens but the last."""
+    out = []
+    for i, ids in enumerate(prompts):
+        best = 0
+        for prev in prompts[:i]:
+            n = 0
+            while n < min(len(ids), len(prev)) and ids[n] == prev[n]:
+                n += 1
+            best = max(best, n)
+        out.append(min(best, len(ids) - 1))
+    return out
+
+
+def _workload(tokenizer: ChatTokenizer, tag: str) -> list[list[int]]:
+    """Four 400-token prefixes, 16 requests (4 each, interleaved), distinct questions."""
+    prefixes = [tokenizer.encode(p) for p in _prefixes(tokenizer, 4, 400, tag)]
+    return [prefixes[i % 4] + tokenizer.encode(f" Question {i}: what does item{i} say?")
+            for i in range(16)]
+
+
+def test_prefix_router_sends_each_prefix_where_it_is_cached(
+    server: ServerProcess, tokenizer: ChatTokenizer, tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    prompts = _workload(tokenizer, "route")
+    expected = _oracle(prompts)
+    cached = [_cached(_complete(server.base_url, ids)) for ids in prompts]
+    # Every request after its prefix's first lands where that prefix is cached: usage matches
+    # one engine that saw every request.
+    assert cached == expected
+    # Power of two choices on the same workload (its own deployment on the same cluster):
+    # prefixes land on both replicas and are computed twice.
+    with running_server(tmp_path_factory, *REPLICA_FLAGS, "--ray-address", "auto",
+                        "--router", "pow2", name="pow2") as pow2:
+        cached_pow2 = [_cached(_complete(pow2.base_url, ids)) for ids in prompts]
+        per_replica = _queries_by_replica(pow2.base_url)
+    assert sum(cached_pow2) < sum(cached) - 300, (cached_pow2, cached)
+    assert len(per_replica) == 2 and min(per_replica.values()) > 0, per_replica
+
+
+def test_concurrent_first_requests_of_a_new_prefix_meet_on_one_replica(
+    server: ServerProcess, tokenizer: ChatTokenizer,
+) -> None:
+    (prefix,) = _prefixes(tokenizer, 1, 800, "burst")
+    before = _queries_by_replica(server.base_url)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        responses = list(pool.map(lambda i: _complete(server.base_url, f"{prefix} Q{i}?"),
+                                  range(4)))
+    wait_idle(server.base_url)
+    after = _queries_by_replica(server.base_url)
+    grew = {r: after[r] - before.get(r, 0) for r in after if after[r] > before.get(r, 0)}
+    assert len(grew) == 1, grew  # all four on one replica: the prefix computed once
+    # The engine's in-batch dedup then computes it once there: three of four hit it.
+    assert sorted(_cached(r) > 700 for r in responses) == [False, True, True, True]
+
+
+def _replica_of(server: ServerProcess, send: Callable[[], Any]) -> str:
+    before = _queries_by_replica(server.base_url)
+    send()
+    after = _queries_by_replica(server.base_url)
+    grew = [r for r in after if after[r] > before.get(r, 0)]
+    assert len(grew) == 1, (before, after)
+    return grew[0]
+
+
+def _match(server: ServerProcess, prompt: list[int], salt: str | None = None,
+           headers: dict[str, str] | None = None) -> dict[str, int]:
+    r = httpx.post(server.base_url + "/v1/replicas/match", headers=headers,
+                   json={"prompt": prompt, "cache_salt": salt}, timeout=30, trust_env=False)
+    assert r.status_code == 200, r.text
+    return r.json()["replicas"]
+
+
+def _until(check: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_tenants_prefixes_are_not_shared_across_salts(
+    server: ServerProcess, tokenizer: ChatTokenizer,
+) -> None:
+    (text,) = _prefixes(tokenizer, 1, 600, "tenant")
+    ids = tokenizer.encode(text)
+    home = _replica_of(server, lambda: _complete(server.base_url, ids, cache_salt="alpha"))
+    _until(lambda: _match(server, ids, "alpha")[home] >= 576)
+    # The router's index keeps the namespaces apart: the same tokens under another salt are
+    # held nowhere.
+    assert set(_match(server, ids, "beta").values()) == {0}
+    assert set(_match(server, ids).values()) == {0}
+    # And a request under the other salt is routed by load: with its home busy, elsewhere.
+    with _busy(server, home, ids, "alpha"):
+        other = _replica_of(server, lambda: _complete(server.base_url, ids, cache_salt="beta"))
+        assert other != home
+        again = _replica_of(server, lambda: _complete(server.base_url, ids,
+                                                      cache_salt="alpha"))
+        assert again == home  # its own tenant still follows the prefix
+
+
+class _busy:
+    """Keeps one long request running on `replica` (a streamed completion of a prompt only
+    that replica holds), so load breaks ties against it; abandoned (aborted) on exit."""
+
+    def __init__(self, server: ServerProcess, replica: str, ids: list[int],
+                 salt: str | None) -> None:
+        self.server, self.replica, self.ids, self.salt = server, replica, ids, salt
+        self.stop = threading.Event()
+
+    def _run(self) -> None:
+        body = {"model": MODEL, "prompt": self.ids + [42], "max_tokens": 400, "temperature": 0,
+                "ignore_eos": True, "cache_salt": self.salt, "stream": True}
+        with httpx.stream("POST", self.server.base_url + "/v1/completions", json=body,
+                          timeout=300, trust_env=False) as r:
+            assert r.status_code == 200
+            for _ in r.iter_lines():
+                if self.stop.is_set():
+                    return
+
+    def __enter__(self) -> None:
+        self.pool = concurrent.futures.ThreadPoolExecutor(1)
+        self.future = self.pool.submit(self._run)
+        _until(lambda: read_metrics(self.server.base_url, by_replica=True).get(
+            f"num_requests_running{{replica={self.replica}}}", 0) > 0)
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.future.result()
+        self.pool.shutdown()
+        wait_idle(self.server.base_url)  # the abort has freed its replica
+
+
+def test_router_stops_preferring_a_prefix_its_replica_evicted(
+    server: ServerProcess, tokenizer: ChatTokenizer,
+) -> None:
+    (text,) = _prefixes(tokenizer, 1, 400, "evict")
+    ids = tokenizer.encode(text)
+    home = _replica_of(server, lambda: _complete(server.base_url, ids))
+    _until(lambda: _match(server, ids)[home] >= 384)
+    # Pool pressure on both replicas: pairs of new 1,400-token prompts sent together split
+    # one per replica (load); 3 pairs overflow each 4,096-token pool, oldest (ours) first.
+    fillers = _prefixes(tokenizer, 6, 1400, "fill")
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        for i in range(0, 6, 2):
+            list(pool.map(lambda t: _complete(server.base_url, t), fillers[i:i + 2]))
+    _until(lambda: _match(server, ids)[home] < 64)
+    # Nothing holds it now: the next request goes by load, not to its old home.
+    with _busy(server, home, _home_only(server, home, tokenizer, fillers), None):
+        assert _replica_of(server, lambda: _complete(server.base_url, ids)) != home
+
+
+def _home_only(server: ServerProcess, home: str, tokenizer: ChatTokenizer,
+               fillers: list[str]) -> list[int]:
+    """A filler prompt the router knows only `home` holds."""
+    for text in reversed(fillers):
+        ids = tokenizer.encode(text)
+        held = _match(server, ids)
+        if held[home] > 1200 and all(v == 0 for r, v in held.items() if r != home):
+            return ids
+    raise AssertionError("no filler is held by the home replica alone")
+
+
+# ----- faults -----
+
+def test_a_killed_replica_fails_nothing_it_can_retry_and_leaves_the_index(
+    keyed: ServerProcess, tokenizer: ChatTokenizer,
+) -> None:
+    # Last in the module: its server then logs the replica's death, which nothing else reads.
+    proc, auth = keyed, {"authorization": f"Bearer {KEY}"}
+    (text,) = _prefixes(tokenizer, 1, 300, "fault")
+    ids = tokenizer.encode(text)
+    victim = _replica_of(proc, lambda: _complete(proc.base_url, ids, headers=auth))
+    pid = {r["replica"]: r["pid"] for r in _replicas(proc, auth)}[victim]
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 150, "temperature": 0,
+            "ignore_eos": True}
+
+    def plain(i: int) -> httpx.Response:
+        return httpx.post(proc.base_url + "/v1/completions", headers=auth,
+                          json={**body, "prompt": ids + [100 + i]}, timeout=120,
+                          trust_env=False)
+
+    def streamed() -> list[str]:
+        with httpx.stream("POST", proc.base_url + "/v1/completions", headers=auth,
+                          json={**body, "stream": True}, timeout=120, trust_env=False) as r:
+            return [line for line in r.iter_lines() if line]
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        plains = [pool.submit(plain, i) for i in range(3)]
+        stream = pool.submit(streamed)
+        # All four follow the prefix to the victim; kill it once they are generating.
+        _until(lambda: read_metrics(proc.base_url, by_replica=True).get(
+            f"num_requests_running{{replica={victim}}}", 0) >= 4, timeout_s=60)
+        os.kill(pid, signal.SIGKILL)
+        responses = [f.result(timeout=120) for f in plains]
+        lines = stream.result(timeout=120)
+    # Non-streaming requests ran again on the other replica; none failed.
+    assert [r.status_code for r in responses] == [200, 200, 200], [r.text for r in responses]
+    assert all(r.json()["usage"]["completion_tokens"] == 150 for r in responses)
+    # The stream had sent tokens: it ends with an error event (and [DONE]), never hangs.
+    events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    assert any("choices" in e and e["choices"][0]["text"] for e in events)
+    assert events[-1]["error"]["code"] == "replica_lost", events[-1]
+    # The dead replica's prefixes left the router's index at once, and it is routed no more.
+    assert victim not in _match(proc, ids, headers=auth)
+    assert victim not in {r["replica"] for r in _replicas(proc, auth)}
+    assert httpx.get(proc.base_url + "/health", trust_env=False).status_code == 200
+    _complete(proc.base_url, ids, headers=auth)  # still serving
+
+
+def _replicas(proc: ServerProcess, headers: dict[str, str] | None = None
+              ) -> list[dict[str, Any]]:
+    r = httpx.get(proc.base_url + "/v1/replicas", headers=headers, timeout=30, trust_env=False)
+    assert r.status_code == 200, r.text
+    return r.json()["replicas"]
