@@ -40,8 +40,10 @@ KEY = anthropic_suite.KEY
 
 @pytest.fixture(scope="module")
 def server(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    # A low imbalance threshold (3), so that overloading a replica takes few requests.
     with running_server(tmp_path_factory, *REPLICA_FLAGS, "--max-request-bytes",
-                        str(openai_suite.MAX_REQUEST_BYTES), name="replicas") as proc:
+                        str(openai_suite.MAX_REQUEST_BYTES), "--router-imbalance-threshold", "3",
+                        name="replicas") as proc:
         yield proc
 
 
@@ -232,17 +234,17 @@ def test_tenants_prefixes_are_not_shared_across_salts(
 
 
 class _busy:
-    """Keeps one long request running on `replica` (a streamed completion of a prompt only
-    that replica holds), so load breaks ties against it; abandoned (aborted) on exit."""
+    """Keeps `n` long requests running on `replica` (streamed completions of a prompt only
+    that replica holds), so load counts against it; abandoned (aborted) on exit."""
 
     def __init__(self, server: ServerProcess, replica: str, ids: list[int],
-                 salt: str | None) -> None:
-        self.server, self.replica, self.ids, self.salt = server, replica, ids, salt
+                 salt: str | None, n: int = 1) -> None:
+        self.server, self.replica, self.ids, self.salt, self.n = server, replica, ids, salt, n
         self.stop = threading.Event()
 
-    def _run(self) -> None:
-        body = {"model": MODEL, "prompt": self.ids + [42], "max_tokens": 400, "temperature": 0,
-                "ignore_eos": True, "cache_salt": self.salt, "stream": True}
+    def _run(self, i: int) -> None:
+        body = {"model": MODEL, "prompt": self.ids + [42 + i], "max_tokens": 400,
+                "temperature": 0, "ignore_eos": True, "cache_salt": self.salt, "stream": True}
         with httpx.stream("POST", self.server.base_url + "/v1/completions", json=body,
                           timeout=300, trust_env=False) as r:
             assert r.status_code == 200
@@ -251,16 +253,29 @@ class _busy:
                     return
 
     def __enter__(self) -> None:
-        self.pool = concurrent.futures.ThreadPoolExecutor(1)
-        self.future = self.pool.submit(self._run)
+        self.pool = concurrent.futures.ThreadPoolExecutor(self.n)
+        self.futures = [self.pool.submit(self._run, i) for i in range(self.n)]
         _until(lambda: read_metrics(self.server.base_url, by_replica=True).get(
-            f"num_requests_running{{replica={self.replica}}}", 0) > 0)
+            f"num_requests_running{{replica={self.replica}}}", 0) >= self.n, timeout_s=30)
 
     def __exit__(self, *exc: object) -> None:
         self.stop.set()
-        self.future.result()
+        for future in self.futures:
+            future.result()
         self.pool.shutdown()
-        wait_idle(self.server.base_url)  # the abort has freed its replica
+        wait_idle(self.server.base_url)  # the aborts have freed the replica
+
+
+def test_an_overloaded_replica_is_passed_over_despite_its_prefix(
+    server: ServerProcess, tokenizer: ChatTokenizer,
+) -> None:
+    (text,) = _prefixes(tokenizer, 1, 300, "load")
+    ids = tokenizer.encode(text)
+    home = _replica_of(server, lambda: _complete(server.base_url, ids))
+    # Four requests in flight on the prefix's home, none elsewhere: more than the imbalance
+    # threshold (3) beyond the least loaded replica, so the prefix is not followed there.
+    with _busy(server, home, ids, None, n=4):
+        assert _replica_of(server, lambda: _complete(server.base_url, ids)) != home
 
 
 def test_router_stops_preferring_a_prefix_its_replica_evicted(

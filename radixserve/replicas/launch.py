@@ -17,6 +17,8 @@ import time
 import uuid
 from typing import Any
 
+from radixserve.replicas.policy import PrefixRoutingConfig
+
 logger = logging.getLogger("radixserve.replicas")
 
 APP_PREFIX = "radixserve"  # + the ingress's key: several ingresses may share a cluster
@@ -40,10 +42,14 @@ def add_flags(group: argparse._ArgumentGroup) -> None:
                             "pow2: power of two choices; round-robin; ray-prefix: Ray's own "
                             "PrefixCacheAffinityRouter (characters of routed prompts), for "
                             "comparison")
-    group.add_argument("--router-imbalance-threshold", type=int, default=4, metavar="N",
+    group.add_argument("--router-imbalance-threshold", type=int,
+                       default=PrefixRoutingConfig.imbalance_threshold, metavar="N",
                        help="prefix router: a replica with more than N requests in flight "
-                            "beyond the least loaded one is passed over")
-    group.add_argument("--router-min-match-tokens", type=int, default=64, metavar="TOKENS",
+                            "beyond the least loaded one is passed over (a miss costs a "
+                            "prefix's prefill; a busier replica only shares its batched "
+                            "decode steps, so N is not small)")
+    group.add_argument("--router-min-match-tokens", type=int,
+                       default=PrefixRoutingConfig.min_match_tokens, metavar="TOKENS",
                        help="prefix router: a cached prefix shorter than this is not worth "
                             "following; such requests go where load is lowest")
     group.add_argument("--cpus-per-replica", type=float, default=None, metavar="N",

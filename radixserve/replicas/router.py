@@ -5,7 +5,7 @@ request's blocks each replica really holds, as its KV events tell (stored, remov
 namespaces are part of the hashes), then by load:
 
 1. Load is the requests this router has sent a replica and not seen finish. A replica whose
-   load exceeds the least loaded one's by more than `imbalance_threshold` is passed over.
+   load exceeds the least loaded one's by more than `imbalance_threshold` (8) is passed over.
 2. Among the rest, the longest held prefix wins if it is at least `min_match_tokens` long
    (ties: the less loaded). Otherwise the request goes where load is lowest (ties: random).
 3. While a request runs, the router also counts its blocks as held by its replica
@@ -26,7 +26,6 @@ import logging
 import random
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
@@ -34,6 +33,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from radixserve.kv_events import BlockIndex, KVEventSubscriber
 from radixserve.replicas.job import ReplicaJob
+from radixserve.replicas.policy import PrefixRoutingConfig
 from radixserve.replicas.registry import register
 
 logger = logging.getLogger(__name__)
@@ -46,13 +46,6 @@ def _job(pending: PendingRequest | None) -> ReplicaJob | None:
         if isinstance(arg, ReplicaJob):
             return arg
     return None
-
-
-@dataclass(frozen=True)
-class PrefixRoutingConfig:
-    imbalance_threshold: int = 4
-    min_match_tokens: int = 64
-    provisional_ttl_s: float = 30.0
 
 
 class _Loads:
@@ -160,8 +153,10 @@ class _Registered(RequestRouter):
 
 
 class PrefixRouter(_Registered):
-    def initialize_state(self, ingress_key: str = "", imbalance_threshold: int = 4,
-                         min_match_tokens: int = 64, provisional_ttl_s: float = 30.0,
+    def initialize_state(self, ingress_key: str = "",
+                         imbalance_threshold: int = PrefixRoutingConfig.imbalance_threshold,
+                         min_match_tokens: int = PrefixRoutingConfig.min_match_tokens,
+                         provisional_ttl_s: float = PrefixRoutingConfig.provisional_ttl_s,
                          **kwargs: Any) -> None:
         super().initialize_state(ingress_key)
         self.config = PrefixRoutingConfig(imbalance_threshold, min_match_tokens,
@@ -285,15 +280,20 @@ class PrefixRouter(_Registered):
             subscriber.close()
 
 
-class PowerOfTwoRouter(_Registered, PowerOfTwoChoicesRequestRouter):
-    """Serve's own power of two choices, registered for the ingress."""
+class _Timed(_Registered):
+    """Times the choice of the router class after it in the MRO (one of Serve's or Ray's)."""
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
         with self.timed():
-            return await super().choose_replicas(candidate_replicas, pending_request)
+            return await super().choose_replicas(  # type: ignore[safe-super]
+                candidate_replicas, pending_request)
+
+
+class PowerOfTwoRouter(_Timed, PowerOfTwoChoicesRequestRouter):
+    """Serve's own power of two choices, registered for the ingress."""
 
 
 class RoundRobinRouter(_Registered):
@@ -325,7 +325,7 @@ except ImportError:  # pragma: no cover - another Ray layout: --router ray-prefi
 
 if PrefixCacheAffinityRouter is not None:
 
-    class RayPrefixRouter(_Registered, PrefixCacheAffinityRouter):
+    class RayPrefixRouter(_Timed, PrefixCacheAffinityRouter):
         """Ray's PrefixCacheAffinityRouter (a character tree of what it routed), registered
         for the ingress: the field's answer, measured beside ours in
         benchmarks/bench_replicas.py. Its jobs carry their text (`job.TextJob`)."""
@@ -333,13 +333,6 @@ if PrefixCacheAffinityRouter is not None:
         def initialize_state(self, ingress_key: str = "", **kwargs: Any) -> None:
             _Registered.initialize_state(self, ingress_key)
             PrefixCacheAffinityRouter.initialize_state(self, **kwargs)
-
-        async def choose_replicas(
-            self, candidate_replicas: list[RunningReplica],
-            pending_request: PendingRequest | None = None,
-        ) -> list[list[RunningReplica]]:
-            with self.timed():
-                return await super().choose_replicas(candidate_replicas, pending_request)
 
 
 def router_class(name: str) -> type[RequestRouter]:
