@@ -30,11 +30,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from timing import cpu_summary
 
 from radixserve import SamplingParams
 from radixserve.config import EngineConfig
 from radixserve.engine.engine import LLMEngine
-from radixserve.kernels.cpu import cpu_flags
 from radixserve.kv_tier.blocks import ModelFingerprint, chain_keys, namespace_text
 from radixserve.kv_tier.entry import EntryHeader, write_entry
 from radixserve.kv_tier.store import TierStore
@@ -437,14 +437,6 @@ def index_rebuild(args: argparse.Namespace, s: Sizes) -> dict[str, Any]:
 # ----- the command -----
 
 
-def _cpu() -> dict[str, Any]:
-    flags = cpu_flags()
-    vector = sorted(f for f in flags if f.startswith("avx512") or f in ("avx2", "fma"))
-    kind = ("AVX-512/BF16" if "avx512_bf16" in flags else "AVX-512" if "avx512f" in flags
-            else "AVX2-only" if "avx2" in flags else "no AVX2")
-    return {"kind": kind, "flags": vector, "cores": os.cpu_count()}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct Q4_1")
@@ -459,7 +451,7 @@ def main() -> None:
     parser.add_argument("--out", default="results/kv_tier.json")
     args = parser.parse_args()
     sizes = QUICK if args.quick else Sizes()
-    cpu = _cpu()
+    cpu = cpu_summary()
     settings = {"model": args.model or "default (SmolLM2-135M-Instruct Q4_1)",
                 "dtype": "float32", "threads": args.threads, "block_tokens": args.block_tokens,
                 "queue_mb": args.queue_mb, "tier_gb": args.tier_gb, "tmp_dir": args.tmp_dir,

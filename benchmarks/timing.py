@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
+from typing import Any
+
+from radixserve.kernels.cpu import cpu_flags
 
 
 def best_ms(fn: Callable[[], object], repeat: int, warmup: int = 3, rounds: int = 3) -> float:
@@ -18,3 +22,12 @@ def best_ms(fn: Callable[[], object], repeat: int, warmup: int = 3, rounds: int 
             fn()
         best = min(best, (time.perf_counter() - start) / repeat * 1e3)
     return best
+
+
+def cpu_summary() -> dict[str, Any]:
+    """The CPU kind a figure ran on, its vector flags and core count (every figure names it)."""
+    flags = cpu_flags()
+    vector = sorted(f for f in flags if f.startswith("avx512") or f in ("avx2", "fma"))
+    kind = ("AVX-512/BF16" if "avx512_bf16" in flags else "AVX-512" if "avx512f" in flags
+            else "AVX2-only" if "avx2" in flags else "no AVX2")
+    return {"kind": kind, "flags": vector, "cores": os.cpu_count()}
