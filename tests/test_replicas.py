@@ -3,8 +3,7 @@ Anthropic SDK tests run again through the replicas' ingress, then routing (prefi
 two), tenants, eviction and a replica killed under load.
 
 One cluster for the module: the first server starts it, the others join it (`--ray-address
-auto`) with applications of their own; each replica reserves a quarter of a CPU so that three
-deployments fit the 2-core machine's cluster (they take turns computing).
+auto`) with an application of its own; each replica reserves a quarter of a CPU.
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ from tests.conftest import running_server
 
 MODEL = "SmolLM2-135M-Instruct"
 # 4,096-token pools: the suites' longest prompt (2,000 tokens) fits; pressure is cheap to make.
-REPLICA_FLAGS = ("--replicas", "2", "--num-threads", "1", "--cpus-per-replica", "0.25",
+REPLICA_FLAGS = ("--replicas", "2", "--num-threads", "2", "--cpus-per-replica", "0.25",
                  "--kv-cache-tokens", "4096")
 KEY = anthropic_suite.KEY
 
@@ -50,9 +49,10 @@ def server(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 @pytest.fixture(scope="module")
 def keyed(server: ServerProcess, tmp_path_factory: pytest.TempPathFactory
           ) -> Iterator[ServerProcess]:
-    """Replicas behind an API key (the Anthropic suite's server), on the same cluster."""
+    """Replicas behind an API key, routed by power of two choices: the auth test's server and
+    the routing test's baseline, on the same cluster."""
     with running_server(tmp_path_factory, *REPLICA_FLAGS, "--ray-address", "auto",
-                        "--api-key", KEY, name="keyed") as proc:
+                        "--api-key", KEY, "--router", "pow2", name="keyed") as proc:
         yield proc
 
 
@@ -61,8 +61,8 @@ bank = openai_suite.bank
 
 
 @pytest.fixture(scope="module")
-def anthropic_client(keyed: ServerProcess) -> Iterator[anthropic.Anthropic]:
-    with anthropic.Anthropic(base_url=keyed.base_url, api_key=KEY, max_retries=0,
+def anthropic_client(server: ServerProcess) -> Iterator[anthropic.Anthropic]:
+    with anthropic.Anthropic(base_url=server.base_url, api_key=KEY, max_retries=0,
                              timeout=300) as c:
         yield c
 
@@ -85,13 +85,23 @@ def _rebound(test: Callable[..., Any], renames: dict[str, str]) -> Callable[...,
     return rebound
 
 
+# Left out, to keep `make test` within its budget: the single engine's own submission race (a
+# client leaving while its add waits in the engine thread's inbox; behind replicas a submission
+# is a stream that is cancelled, as test_openai_disconnects_abort_and_release_everything checks
+# through the ingress), and the 2,000-token cached_tokens check (the routing test below checks
+# every request's cached_tokens through the ingress against a single engine's).
+NOT_REPLAYED = {"test_disconnect_while_the_submission_is_queued",
+                "test_cached_tokens_are_the_engine_truth"}
+# Needs a server with an API key: the pow2 deployment has one.
+KEYED = {"test_auth_by_x_api_key_or_bearer"}
 for _name, _test in vars(openai_suite).items():
-    if _name.startswith("test_") and callable(_test):
+    if _name.startswith("test_") and callable(_test) and _name not in NOT_REPLAYED:
         globals()[f"test_openai_{_name[5:]}"] = _test
 for _name, _test in vars(anthropic_suite).items():
     if _name.startswith("test_") and callable(_test):
         globals()[f"test_anthropic_{_name[5:]}"] = _rebound(
-            _test, {"client": "anthropic_client", "server": "keyed"})
+            _test, {"client": "anthropic_client",
+                    **({"server": "keyed"} if _name in KEYED else {})})
 
 
 # ----- routing -----
@@ -148,14 +158,14 @@ def _oracle(prompts: list[list[int]]) -> list[int]:
 
 
 def _workload(tokenizer: ChatTokenizer, tag: str) -> list[list[int]]:
-    """Four 400-token prefixes, 16 requests (4 each, interleaved), distinct questions."""
-    prefixes = [tokenizer.encode(p) for p in _prefixes(tokenizer, 4, 400, tag)]
+    """Four 300-token prefixes, 16 requests (4 each, interleaved), distinct questions."""
+    prefixes = [tokenizer.encode(p) for p in _prefixes(tokenizer, 4, 300, tag)]
     return [prefixes[i % 4] + tokenizer.encode(f" Question {i}: what does item{i} say?")
             for i in range(16)]
 
 
 def test_prefix_router_sends_each_prefix_where_it_is_cached(
-    server: ServerProcess, tokenizer: ChatTokenizer, tmp_path_factory: pytest.TempPathFactory,
+    server: ServerProcess, keyed: ServerProcess, tokenizer: ChatTokenizer,
 ) -> None:
     prompts = _workload(tokenizer, "route")
     expected = _oracle(prompts)
@@ -165,11 +175,12 @@ def test_prefix_router_sends_each_prefix_where_it_is_cached(
     assert cached == expected
     # Power of two choices on the same workload (its own deployment on the same cluster):
     # prefixes land on both replicas and are computed twice.
-    with running_server(tmp_path_factory, *REPLICA_FLAGS, "--ray-address", "auto",
-                        "--router", "pow2", name="pow2") as pow2:
-        cached_pow2 = [_cached(_complete(pow2.base_url, ids)) for ids in prompts]
-        per_replica = _queries_by_replica(pow2.base_url)
-    assert sum(cached_pow2) < sum(cached) - 300, (cached_pow2, cached)
+    auth = {"authorization": f"Bearer {KEY}"}
+    before = _queries_by_replica(keyed.base_url)
+    cached_pow2 = [_cached(_complete(keyed.base_url, ids, headers=auth)) for ids in prompts]
+    after = _queries_by_replica(keyed.base_url)
+    per_replica = {r: after[r] - before.get(r, 0) for r in after}
+    assert sum(cached_pow2) < sum(cached) - 250, (cached_pow2, cached)
     assert len(per_replica) == 2 and min(per_replica.values()) > 0, per_replica
 
 
@@ -311,10 +322,10 @@ def _home_only(server: ServerProcess, home: str, tokenizer: ChatTokenizer,
 # ----- faults -----
 
 def test_a_killed_replica_fails_nothing_it_can_retry_and_leaves_the_index(
-    keyed: ServerProcess, tokenizer: ChatTokenizer,
+    server: ServerProcess, tokenizer: ChatTokenizer,
 ) -> None:
     # Last in the module: its server then logs the replica's death, which nothing else reads.
-    proc, auth = keyed, {"authorization": f"Bearer {KEY}"}
+    proc, auth = server, None
     (text,) = _prefixes(tokenizer, 1, 300, "fault")
     ids = tokenizer.encode(text)
     victim = _replica_of(proc, lambda: _complete(proc.base_url, ids, headers=auth))
