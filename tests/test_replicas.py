@@ -14,6 +14,8 @@ import inspect
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -102,6 +104,21 @@ for _name, _test in vars(anthropic_suite).items():
         globals()[f"test_anthropic_{_name[5:]}"] = _rebound(
             _test, {"client": "anthropic_client",
                     **({"server": "keyed"} if _name in KEYED else {})})
+
+
+# ----- flags -----
+
+@pytest.mark.parametrize("flags, message", [
+    (["--router", "pow2"], "--router only apply with --replicas"),
+    (["--ray-address", "auto"], "--ray-address only apply with --replicas"),
+    (["--replicas", "2", "--router", "pow2", "--router-min-match-tokens", "8"],
+     "--router-min-match-tokens set the prefix router"),
+    (["--replicas", "2", "--enable-clock-control"], "not available with --replicas"),
+])
+def test_flags_that_would_be_ignored_are_refused(flags: list[str], message: str) -> None:
+    done = subprocess.run([sys.executable, "-m", "radixserve.cli", "serve", *flags],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and message in done.stdout + done.stderr, done
 
 
 # ----- routing -----

@@ -60,6 +60,25 @@ def add_flags(group: argparse._ArgumentGroup) -> None:
                             "them)")
 
 
+# The replica flags and their defaults: given without --replicas, they would mean nothing.
+_REPLICA_DEFAULTS = {"ray_address": None, "router": "prefix",
+                     "router_imbalance_threshold": PrefixRoutingConfig.imbalance_threshold,
+                     "router_min_match_tokens": PrefixRoutingConfig.min_match_tokens,
+                     "cpus_per_replica": None, "replica_max_ongoing": 256}
+_PREFIX_ONLY = ("router_imbalance_threshold", "router_min_match_tokens")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def check_single(args: argparse.Namespace) -> None:
+    """Raises ValueError when a replica flag is given to the single-process server."""
+    given = [_flag(k) for k, default in _REPLICA_DEFAULTS.items() if getattr(args, k) != default]
+    if given:
+        raise ValueError(f"{', '.join(given)} only apply with --replicas N")
+
+
 def check_flags(args: argparse.Namespace) -> None:
     """Raises ValueError for flags the replicas cannot honour."""
     if args.replicas < 1:
@@ -73,6 +92,10 @@ def check_flags(args: argparse.Namespace) -> None:
     if args.kv_events_endpoint or args.kv_events_replay_endpoint:
         raise ValueError("with --replicas each replica publishes its KV events on a port of "
                          "its own (GET /v1/replicas lists them); drop --kv-events-endpoint")
+    ignored = [_flag(k) for k in _PREFIX_ONLY if getattr(args, k) != _REPLICA_DEFAULTS[k]]
+    if args.router != "prefix" and ignored:
+        raise ValueError(f"{', '.join(ignored)} set the prefix router; --router {args.router} "
+                         "does not use them")
     if args.router_imbalance_threshold < 0 or args.router_min_match_tokens < 0:
         raise ValueError("--router-imbalance-threshold and --router-min-match-tokens must be "
                          ">= 0")

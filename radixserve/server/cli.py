@@ -28,6 +28,7 @@ from radixserve.config import (
     EngineConfig,
 )
 from radixserve.replicas.launch import add_flags as add_replica_flags
+from radixserve.replicas.launch import check_single
 from radixserve.server.settings import (
     CACHE_ACCOUNTING_MODES,
     DEFAULT_MODEL_NAME,
@@ -264,6 +265,11 @@ def serve(args: argparse.Namespace) -> int:
         from radixserve.replicas.launch import serve_replicas
 
         return serve_replicas(args)
+    try:
+        check_single(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     # Heavy imports here, so `radixserve --help` stays fast.
     from radixserve.engine.async_engine import AsyncEngine
     from radixserve.server.app import create_app
