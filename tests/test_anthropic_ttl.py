@@ -20,9 +20,9 @@ from radixserve.server.launcher import ServerProcess, wait_idle
 from tests.conftest import running_server
 
 MODEL = "claude-sonnet-4-6"
-POOL = 2048
-PREFIX = 400  # tokens in each system prompt
-PRESSURE = 1500  # tokens in each unrelated prompt: two of them flush everything unpinned
+POOL = 1024
+PREFIX = 200  # tokens in each system prompt
+PRESSURE = 750  # tokens in each unrelated prompt: two of them flush everything unpinned
 
 
 @pytest.fixture(scope="module")
