@@ -12,9 +12,15 @@ Per router and workload: total time, requests/s, cached-token share (from each r
 usage), TTFT p50/p99, the router's own ms per decision (/v1/replicas) and the requests each
 replica took (/metrics deltas); then ratios vs pow2 against the issue's targets.
 
+pow2 places requests at random, so what it happens to reuse varies from run to run; --rounds K
+repeats the whole comparison K times (a fresh server per router and round, the routers' order
+reversed every other round so drift over time weighs on each alike) and reports each round's
+ratios and the figures pooled over all rounds (every request of every round counted once).
+
     .venv/bin/python benchmarks/bench_replicas.py
     .venv/bin/python benchmarks/bench_replicas.py --quick --out /tmp/bench_replicas_quick.json
     .venv/bin/python benchmarks/bench_replicas.py --routers prefix,pow2 --workloads shared
+    .venv/bin/python benchmarks/bench_replicas.py --routers prefix,pow2 --rounds 3 --unique-requests 32
 """
 
 from __future__ import annotations
@@ -274,14 +280,13 @@ def _run_workload(server: ServerProcess, model: str, prompts: list[str], sizes: 
 
 
 def bench_router(router: str, args: argparse.Namespace, sizes: Sizes, prompts: Prompts,
-                 workloads: list[str], log_dir: Path) -> dict[str, Any]:
+                 workloads: list[str], log_path: Path) -> dict[str, Any]:
     """One server with `router`: warm-up, then each workload in turn."""
     flags = ["--replicas", str(args.replicas), "--router", router, "--kv-cache-tokens",
              str(args.kv_cache_tokens), "--num-threads", str(args.num_threads),
              "--no-access-log", *args.serve_arg]
     if args.model:
         flags += ["--model", args.model]
-    log_path = log_dir / f"server-{router}.log"
     started = time.perf_counter()
     server = start_server(flags, log_path)
     report: dict[str, Any] = {"server_flags": flags, "log": str(log_path),
@@ -307,6 +312,48 @@ def bench_router(router: str, args: argparse.Namespace, sizes: Sizes, prompts: P
     return report
 
 
+# ----- rounds -----
+
+
+def pooled(reports: list[dict[str, Any]], workload: str) -> dict[str, Any] | None:
+    """One router's rounds of a workload as one run: times summed, shares and percentiles
+    over every request of every round, the router's cost weighted by decisions."""
+    runs = [r[workload] for r in reports if workload in r]
+    if not runs:
+        return None
+    samples = [s for run in runs for s in run["samples"]]
+    prompt_tokens = sum(s["prompt_tokens"] for s in samples)
+    total = sum(run["total_s"] for run in runs)
+    timed = [(run["router_ms_per_request"], run["router_routed"]) for run in runs
+             if run["router_ms_per_request"] is not None]
+    decisions = sum(n for _, n in timed)
+    ttfts = [s["ttft_s"] for s in samples]
+    return {
+        "rounds": len(runs),
+        "requests": len(samples),
+        "total_s": total,
+        "requests_per_s": len(samples) / total,
+        "cached_share": sum(s["cached_tokens"] for s in samples) / prompt_tokens,
+        "ttft_p50_ms": 1e3 * _percentile(ttfts, 50),
+        "ttft_p99_ms": 1e3 * _percentile(ttfts, 99),
+        "router_ms_per_request": (sum(ms * n for ms, n in timed) / decisions
+                                  if decisions else None),
+        # Replica names differ from server to server: one split per round.
+        "splits": [[x["requests_est"] for x in run["replicas"].values()] for run in runs],
+    }
+
+
+def round_ratios(rounds: dict[str, list[dict[str, Any]]]) -> list[dict[str, dict[str, float]]]:
+    """ratios() of each round on its own."""
+    count = max((len(v) for v in rounds.values()), default=0)
+    out = []
+    for k in range(count):
+        one = {router: {w: reports[k][w] for w in WORKLOADS if w in reports[k]}
+               for router, reports in rounds.items() if k < len(reports)}
+        out.append(ratios(one))
+    return out
+
+
 # ----- the report -----
 
 
@@ -324,7 +371,7 @@ def table(results: dict[str, dict[str, Any]], workloads: list[str]) -> str:
             r = report.get(workload)
             if r is None:
                 continue
-            split = "/".join(str(x["requests_est"]) for x in r["replicas"].values())
+            split = " ; ".join("/".join(str(n) for n in round_) for round_ in r["splits"])
             route_ms = r["router_ms_per_request"]
             route = "n/a" if route_ms is None else f"{route_ms:.3f}"
             lines.append(
@@ -413,6 +460,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", help="served model (.gguf or HF dir); default: radixserve's")
     p.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for every `radixserve serve` (repeatable)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="repeat the comparison this many times, pooled in the report (default 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the generated prompts (default 0)")
     p.add_argument("--quick", action="store_true",
                    help=f"smoke run: {QUICK.prefixes} prefixes of {QUICK.prefix_tokens} tokens, "
@@ -436,7 +485,8 @@ def main(argv: list[str] | None = None) -> int:
     settings = {"replicas": args.replicas, "kv_cache_tokens": args.kv_cache_tokens,
                 "num_threads": args.num_threads, "model": args.model or "default",
                 "serve_args": args.serve_arg, "routers": routers, "workloads": workloads,
-                "unique_routers": args.unique_routers, "seed": args.seed, "quick": args.quick}
+                "unique_routers": args.unique_routers, "seed": args.seed, "quick": args.quick,
+                "rounds": args.rounds}
     print(f"bench_replicas {date}; CPU {cpu['kind']} ({' '.join(cpu['flags'])}), "
           f"{cpu['cores']} cores; {args.replicas} replicas x {args.num_threads} thread(s), "
           f"KV pool {args.kv_cache_tokens} tokens each", flush=True)
@@ -447,34 +497,52 @@ def main(argv: list[str] | None = None) -> int:
 
     bank = WordBank.from_tokenizer(load_tokenizer(args.model or default_model_path()))
     prompts = build_prompts(bank, sizes, args.seed)
-    results: dict[str, dict[str, Any]] = {}
+    rounds: dict[str, list[dict[str, Any]]] = {router: [] for router in routers}
     failures: dict[str, str] = {}
-    for router in routers:
-        try:
-            results[router] = bench_router(router, args, sizes, prompts, workloads,
-                                           args.log_dir)
-        except Exception as exc:  # one router's failure is reported; the others still run
-            failures[router] = f"{type(exc).__name__}: {exc}"
-            print(f"{router}: FAILED ({failures[router].splitlines()[0]}); log in "
-                  f"{args.log_dir / f'server-{router}.log'}", flush=True)
-        report = results.get(router, {})
-        if report.get("serious_log_lines"):
-            print(f"  {router}: serious lines in its log: {report['serious_log_lines'][:3]}")
-        for workload in workloads:
-            if not report.get(workload, {}).get("metrics_settled", True):
-                print(f"  {router}/{workload}: /metrics did not settle in "
-                      f"{SETTLE_TIMEOUT_S:.0f} s; per-replica figures may be short")
+    for k in range(args.rounds):
+        order = routers if k % 2 == 0 else routers[::-1]
+        if args.rounds > 1:
+            print(f"round {k + 1} of {args.rounds}: {', '.join(order)}", flush=True)
+        for router in order:
+            name = f"{router}-{k + 1}" if args.rounds > 1 else router
+            log_path = args.log_dir / f"server-{name}.log"
+            try:
+                report = bench_router(router, args, sizes, prompts, workloads, log_path)
+            except Exception as exc:  # one router's failure is reported; the others still run
+                failures[name] = f"{type(exc).__name__}: {exc}"
+                print(f"{name}: FAILED ({failures[name].splitlines()[0]}); log in {log_path}",
+                      flush=True)
+                continue
+            rounds[router].append(report)
+            if report.get("serious_log_lines"):
+                print(f"  {name}: serious lines in its log: {report['serious_log_lines'][:3]}")
+            for workload in workloads:
+                if not report.get(workload, {}).get("metrics_settled", True):
+                    print(f"  {name}/{workload}: /metrics did not settle in "
+                          f"{SETTLE_TIMEOUT_S:.0f} s; per-replica figures may be short")
+    results: dict[str, dict[str, Any]] = {}
+    for router, reports in rounds.items():
+        found = {w: pooled(reports, w) for w in workloads}
+        results[router] = {w: v for w, v in found.items() if v is not None}
 
     print()
     print(table(results, workloads))
     found = ratios(results)
+    per_round = round_ratios(rounds) if args.rounds > 1 else []
+    for k, one in enumerate(per_round):
+        print()
+        print(f"round {k + 1}:")
+        print_ratios(one)
     print()
+    if per_round:
+        print(f"pooled over {args.rounds} rounds:")
     print_ratios(found)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "date": date, "command": command, "cpu": cpu, "settings": settings,
         "sizes": dataclasses.asdict(sizes), "results": results, "ratios_vs_pow2": found,
-        "failures": failures}, indent=2) + "\n")
+        "ratios_per_round": per_round, "rounds": rounds, "failures": failures},
+        indent=2) + "\n")
     print(f"\nwrote {args.out}")
     return 1 if failures else 0
 
