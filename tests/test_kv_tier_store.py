@@ -14,6 +14,7 @@ import math
 import multiprocessing
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import threading
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import xxhash
 
 from radixserve.kv_tier.blocks import ModelFingerprint, chain_keys, namespace_text
 from radixserve.kv_tier.entry import ERROR_KINDS, EntryError, EntryHeader
@@ -61,8 +63,9 @@ class Block:
 
     @property
     def file_bytes(self) -> int:
-        """The entry's size on disk, from the documented format."""
-        return len(b"RSKVTIER") + 4 + len(self.header.encode()) + self.nbytes + 4
+        """The entry's size on disk, from the documented format: magic, header length, header,
+        K/V, XXH3-64."""
+        return len(b"RSKVTIER") + 4 + len(self.header.encode()) + self.nbytes + 8
 
 
 def make_blocks(count: int, seed: int, shape: tuple[int, ...] = SHAPE,
@@ -254,6 +257,11 @@ def test_round_trip_and_dedupe(tmp_path: Path, open_store) -> None:
 
     files = entry_files(store)
     assert files == {b.key: b.file_bytes for b in blocks}
+    for block in blocks:  # byte for byte the documented format, checksum included
+        head = block.header.encode()
+        body = b"RSKVTIER" + struct.pack("<I", len(head)) + head + block.payload
+        expected = body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
+        assert Path(store.path(block.key)).read_bytes() == expected
     stats = store.stats()
     assert stats.entries == 3 and stats.writable
     assert stats.bytes == stats.counters.bytes_written == sum(files.values())
@@ -490,11 +498,11 @@ def _truncate(keep: Callable[[int], int]) -> Callable[[Path, Path, Block], None]
 
 DAMAGES = {
     # name: (damage(path, another entry's path, block), the kind a read reports)
-    "payload-byte": (_flip(lambda size, head: size - 4 - 100), "corrupt"),
+    "payload-byte": (_flip(lambda size, head: size - 8 - 100), "corrupt"),
     "checksum-byte": (_flip(lambda size, head: size - 1), "corrupt"),
     "magic-byte": (_flip(lambda size, head: 0), "corrupt"),
     "header-json": (_flip(lambda size, head: 12), "corrupt"),  # '{' -> 'z'
-    "header-key": (_flip(lambda size, head: 12 + 10), "corrupt"),  # still JSON: the CRC says
+    "header-key": (_flip(lambda size, head: 12 + 10), "corrupt"),  # still JSON: the checksum says
     "truncated-by-one": (_truncate(lambda size: size - 1), "truncated"),
     "truncated-in-header": (_truncate(lambda size: 40), "truncated"),
     "truncated-to-nothing": (_truncate(lambda size: 0), "truncated"),

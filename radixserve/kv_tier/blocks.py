@@ -22,7 +22,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import asdict, dataclass
 
 # Bump when the file format or the KV layout in it changes: older entries are then foreign.
-KV_LAYOUT_VERSION = 1
+KV_LAYOUT_VERSION = 2  # 2: XXH3-64 checksums (1: CRC-32)
 KEY_BYTES = 16
 _SAMPLES = 16  # pieces of a weights file read for its identity
 _SAMPLE_BYTES = 64 * 1024

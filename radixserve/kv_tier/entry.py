@@ -1,12 +1,18 @@
 """One tier entry: a block's KV in one file, self-describing and checksummed.
 
-    magic "RSKVTIER" | u32 header length | header (JSON) | payload | u32 CRC-32 of all before
+    magic "RSKVTIER" | u32 header length | header (JSON) | payload | u64 XXH3-64 of all before
 
 The header names the block (key, parent key, fingerprint, namespace, first position, tokens)
 and the payload's dtype and shape ([layers, 2 (K, V), kv heads, tokens, head dim], C order).
 A reader checks the length, the checksum and that the header is the block it asked for, so a
 truncated, corrupted, renamed or foreign file is refused, never read as KV. Files appear by
 atomic rename of a complete temporary file, so a reader never sees a half-written one.
+
+The checksum is XXH3-64 (seed 0, little-endian in the file): a 64-bit non-cryptographic hash
+(damage of any shape slips through with odds of about 2^-64) that runs at memory speed, 25 GB/s
+here against CRC-32's 2.4. Speed matters twice: a load checks every byte before the request
+may use its slots, and every write hashes every byte on a thread that shares the cores with
+the engine.
 """
 
 from __future__ import annotations
@@ -15,15 +21,16 @@ import json
 import os
 import struct
 import threading
-import zlib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+import xxhash
+
 MAGIC = b"RSKVTIER"
 _PREFIX = len(MAGIC) + 4
-_CRC = 4
-_HEAD_READ = 64 * 1024
-_IOV_MAX = 512  # buffers per preadv call, under every kernel's limit  # the first read: the prefix and (almost always) the whole header
+_SUM = 8  # the checksum's bytes
+_HEAD_READ = 64 * 1024  # the first read: the prefix and (almost always) the whole header
+_IOV_MAX = 512  # buffers per preadv call, under every kernel's limit
 # The kinds of failed reads, as counted by the tier's error metric.
 ERROR_KINDS = ("missing", "truncated", "corrupt", "foreign", "io", "write")
 
@@ -64,13 +71,14 @@ def write_entry(path: str, header: EntryHeader, payload: memoryview) -> int:
     bytes written. Raises OSError (a full disk, a read-only directory) with nothing left."""
     head = header.encode()
     prefix = MAGIC + struct.pack("<I", len(head)) + head
-    crc = zlib.crc32(payload, zlib.crc32(prefix))
+    digest = xxhash.xxh3_64(prefix)
+    digest.update(payload)
     tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"  # unique per writer thread
     try:
         with open(tmp, "wb") as f:
             f.write(prefix)
             f.write(payload)
-            f.write(struct.pack("<I", crc))
+            f.write(struct.pack("<Q", digest.intdigest()))
         os.replace(tmp, path)
     except OSError:
         try:
@@ -78,7 +86,7 @@ def write_entry(path: str, header: EntryHeader, payload: memoryview) -> int:
         except OSError:
             pass
         raise
-    return len(prefix) + payload.nbytes + _CRC
+    return len(prefix) + payload.nbytes + _SUM
 
 
 def read_entry(path: str, key: str, fingerprint: str,
@@ -106,24 +114,24 @@ def read_entry(path: str, key: str, fingerprint: str,
                 got = f.readinto(data)
                 if got != len(data):
                     raise EntryError("truncated", f"{path}: payload cut short")
-                payload: memoryview | None = memoryview(data)[: got - _CRC]
+                payload: memoryview | None = memoryview(data)[: got - _SUM]
                 parts: list[memoryview] = [payload]
-                stored_raw = bytes(data[got - _CRC : got])
+                stored_raw = bytes(data[got - _SUM : got])
             else:
-                if _read_into(fd, targets, start) != size - start - _CRC:
+                if _read_into(fd, targets, start) != size - start - _SUM:
                     raise EntryError("truncated", f"{path}: payload cut short")
                 payload, parts = None, targets
-                stored_raw = os.pread(fd, _CRC, size - _CRC)
+                stored_raw = os.pread(fd, _SUM, size - _SUM)
     except FileNotFoundError as exc:
         raise EntryError("missing", f"{path}: no such entry") from exc
     except OSError as exc:
         raise EntryError("io", f"{path}: {exc}") from exc
-    if len(stored_raw) != _CRC:
+    if len(stored_raw) != _SUM:
         raise EntryError("truncated", f"{path}: checksum cut short")
-    crc = zlib.crc32(head[:start])
+    digest = xxhash.xxh3_64(head[:start])
     for part in parts:
-        crc = zlib.crc32(part, crc)
-    if crc != struct.unpack("<I", stored_raw)[0]:
+        digest.update(part)
+    if digest.intdigest() != struct.unpack("<Q", stored_raw)[0]:
         raise EntryError("corrupt", f"{path}: checksum mismatch")
     if header.key != key or header.fingerprint != fingerprint:
         raise EntryError("foreign", f"{path}: holds block {header.key[:12]} of model "
@@ -149,7 +157,7 @@ def read_header(path: str) -> EntryHeader:
 
 def entry_bytes(header: EntryHeader, payload_nbytes: int) -> int:
     """The size of the entry's file, as write_entry writes it."""
-    return _PREFIX + len(header.encode()) + payload_nbytes + _CRC
+    return _PREFIX + len(header.encode()) + payload_nbytes + _SUM
 
 
 def payload_bytes(header: EntryHeader) -> int:
@@ -180,18 +188,18 @@ def _read_into(fd: int, targets: list[memoryview], offset: int) -> int:
 
 def _parse(head: bytes, size: int, path: str) -> tuple[EntryHeader, int]:
     """The header, from the file's first bytes and its size; and where the payload starts."""
-    if size < _PREFIX + _CRC or head[: len(MAGIC)] != MAGIC:
-        raise EntryError("truncated" if size < _PREFIX + _CRC else "corrupt",
+    if size < _PREFIX + _SUM or head[: len(MAGIC)] != MAGIC:
+        raise EntryError("truncated" if size < _PREFIX + _SUM else "corrupt",
                          f"{path}: not a tier entry")
     (length,) = struct.unpack_from("<I", head, len(MAGIC))
     start = _PREFIX + length
-    if start + _CRC > size:
+    if start + _SUM > size:
         raise EntryError("truncated", f"{path}: {size} bytes, shorter than its header says")
     if start > len(head):
         raise EntryError("corrupt", f"{path}: a header of {length} bytes")
     try:
         header = EntryHeader.decode(head[_PREFIX:start])
-        expected = start + payload_bytes(header) + _CRC
+        expected = start + payload_bytes(header) + _SUM
     except (ValueError, TypeError, KeyError) as exc:
         raise EntryError("corrupt", f"{path}: bad header ({exc})") from exc
     if size != expected:
