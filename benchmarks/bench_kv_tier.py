@@ -10,6 +10,7 @@ the tier files' own pages (fadvise); the report says which, and how much stayed 
     .venv/bin/python benchmarks/bench_kv_tier.py --out results/kv_tier.json
     .venv/bin/python benchmarks/bench_kv_tier.py --quick --out /tmp/kv_tier_quick.json
     .venv/bin/python benchmarks/bench_kv_tier.py --only restart load_speed
+    .venv/bin/python benchmarks/bench_kv_tier.py --only writer_overhead --pairs 7
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import statistics
 import tempfile
 import time
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -448,9 +449,14 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--only", nargs="+", choices=SCENARIOS, default=list(SCENARIOS))
     parser.add_argument("--quick", action="store_true", help="every scenario shrunk (smoke run)")
+    parser.add_argument("--pairs", type=int, default=None,
+                        help=f"writer overhead: alternated (off, on) runs (default {Sizes.pairs}); "
+                             "the machine's drift between runs is wider than the effect")
     parser.add_argument("--out", default="results/kv_tier.json")
     args = parser.parse_args()
     sizes = QUICK if args.quick else Sizes()
+    if args.pairs is not None:
+        sizes = replace(sizes, pairs=args.pairs)
     cpu = cpu_summary()
     settings = {"model": args.model or "default (SmolLM2-135M-Instruct Q4_1)",
                 "dtype": "float32", "threads": args.threads, "block_tokens": args.block_tokens,
