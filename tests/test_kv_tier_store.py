@@ -448,6 +448,17 @@ def test_a_put_larger_than_the_capacity_is_not_written(tmp_path: Path, open_stor
 # ----- the write queue -----
 
 
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
+def test_the_writer_runs_below_the_engine(tmp_path: Path, open_store) -> None:
+    # SCHED_IDLE: the writer only takes a core nothing else wants (a slice taken from one of
+    # the engine's torch threads would stall both at the next barrier).
+    store = open_store(tmp_path)
+    put_flushed(store, make_blocks(1, seed=3)[0])  # the writer thread has started and written
+    writer = store._writer
+    assert writer.is_alive() and writer.native_id is not None
+    assert os.sched_getscheduler(writer.native_id) == os.SCHED_IDLE
+
+
 def test_a_full_queue_drops_unforced_writes_only(tmp_path: Path, open_store) -> None:
     blocks = make_blocks(5, seed=15)
     size = blocks[0].nbytes

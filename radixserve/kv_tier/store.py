@@ -48,7 +48,7 @@ _NOT_PINNED = -math.inf
 # Errors that mean "this directory takes no more writes": stop writing, keep serving.
 _FATAL_WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM,
                        errno.EFBIG}
-_WRITER_NICE = 10
+_WRITER_NICE = 10  # where SCHED_IDLE is refused
 STALE_TEMP_S = 600.0  # a temporary file this old is a crashed write, not one in progress
 
 
@@ -289,12 +289,7 @@ class TierStore:
     # ----- the writer thread -----
 
     def _write_loop(self) -> None:
-        # Below the engine's threads: writes fill the CPU's idle moments first, and a writer
-        # that falls behind drops (and counts) writes rather than slowing the steps.
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _WRITER_NICE)
-        except (AttributeError, OSError):  # not Linux, or not allowed: normal priority
-            pass
+        _below_the_engine()
         while True:
             job = self._queue.get()
             if job is None:
@@ -474,3 +469,20 @@ def list_dir(path: str) -> Iterable[os.DirEntry[str]]:
             return list(it)
     except OSError:
         return []
+
+
+def _below_the_engine() -> None:
+    """Puts the calling (writer) thread below the engine's threads: SCHED_IDLE, so it runs only
+    on a core nothing else wants. A time slice taken from one of the engine's torch threads
+    stalls the other at the next barrier too, so even a low nice value costs the steps twice
+    what it takes; a writer that falls behind drops (and counts) writes instead."""
+    tid = threading.get_native_id()
+    try:
+        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        return
+    except (AttributeError, OSError):  # not Linux, or not allowed
+        pass
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, _WRITER_NICE)
+    except (AttributeError, OSError):  # normal priority, then
+        pass
