@@ -456,6 +456,8 @@ def main() -> None:
     args = parser.parse_args()
     sizes = QUICK if args.quick else Sizes()
     if args.pairs is not None:
+        if args.pairs < 1:
+            parser.error("--pairs must be at least 1")
         sizes = replace(sizes, pairs=args.pairs)
     cpu = cpu_summary()
     settings = {"model": args.model or "default (SmolLM2-135M-Instruct Q4_1)",

@@ -471,6 +471,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("results/bench_replicas.json"),
                    help="the JSON report (default results/bench_replicas.json)")
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
     routers = _names(args.routers or (QUICK_ROUTERS if args.quick else ",".join(ROUTERS)),
                      ROUTERS, "--routers")
     workloads = _names(args.workloads, WORKLOADS, "--workloads")

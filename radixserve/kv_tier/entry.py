@@ -71,14 +71,12 @@ def write_entry(path: str, header: EntryHeader, payload: memoryview) -> int:
     bytes written. Raises OSError (a full disk, a read-only directory) with nothing left."""
     head = header.encode()
     prefix = MAGIC + struct.pack("<I", len(head)) + head
-    digest = xxhash.xxh3_64(prefix)
-    digest.update(payload)
     tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"  # unique per writer thread
     try:
         with open(tmp, "wb") as f:
             f.write(prefix)
             f.write(payload)
-            f.write(struct.pack("<Q", digest.intdigest()))
+            f.write(struct.pack("<Q", _checksum([prefix, payload])))
         os.replace(tmp, path)
     except OSError:
         try:
@@ -128,10 +126,7 @@ def read_entry(path: str, key: str, fingerprint: str,
         raise EntryError("io", f"{path}: {exc}") from exc
     if len(stored_raw) != _SUM:
         raise EntryError("truncated", f"{path}: checksum cut short")
-    digest = xxhash.xxh3_64(head[:start])
-    for part in parts:
-        digest.update(part)
-    if digest.intdigest() != struct.unpack("<Q", stored_raw)[0]:
+    if _checksum([head[:start], *parts]) != struct.unpack("<Q", stored_raw)[0]:
         raise EntryError("corrupt", f"{path}: checksum mismatch")
     if header.key != key or header.fingerprint != fingerprint:
         raise EntryError("foreign", f"{path}: holds block {header.key[:12]} of model "
@@ -166,6 +161,14 @@ def payload_bytes(header: EntryHeader) -> int:
     for dim in header.shape:
         count *= dim
     return count * itemsize
+
+
+def _checksum(parts: list[bytes | memoryview]) -> int:
+    """XXH3-64 of the parts in order, as one stream."""
+    digest = xxhash.xxh3_64()
+    for part in parts:
+        digest.update(part)
+    return digest.intdigest()
 
 
 def _read_into(fd: int, targets: list[memoryview], offset: int) -> int:

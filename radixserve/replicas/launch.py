@@ -29,43 +29,46 @@ STATS_PERIOD_S = 1.0
 ROUTER_NAMES = ("prefix", "pow2", "round-robin", "ray-prefix")
 
 
-def add_flags(group: argparse._ArgumentGroup) -> None:
-    group.add_argument("--replicas", type=int, default=None, metavar="N",
-                       help="serve N engine replicas on Ray Serve behind this server, routed "
-                            "by the prefixes each replica's cache holds; unset: one engine in "
-                            "this process (needs the ray extra: pip install radixserve[ray])")
-    group.add_argument("--ray-address", default=None, metavar="ADDR",
-                       help="join this Ray cluster (e.g. ray://host:10001 or auto) instead of "
-                            "starting a local one")
-    group.add_argument("--router", choices=ROUTER_NAMES, default="prefix",
-                       help="prefix: longest prefix each replica's KV events show, then load; "
-                            "pow2: power of two choices; round-robin; ray-prefix: Ray's own "
-                            "PrefixCacheAffinityRouter (characters of routed prompts), for "
-                            "comparison")
-    group.add_argument("--router-imbalance-threshold", type=int,
-                       default=PrefixRoutingConfig.imbalance_threshold, metavar="N",
-                       help="prefix router: a replica with more than N requests in flight "
-                            "beyond the least loaded one is passed over (a miss costs a "
-                            "prefix's prefill; a busier replica only shares its batched "
-                            "decode steps, so N is not small)")
-    group.add_argument("--router-min-match-tokens", type=int,
-                       default=PrefixRoutingConfig.min_match_tokens, metavar="TOKENS",
-                       help="prefix router: a cached prefix shorter than this is not worth "
-                            "following; such requests go where load is lowest")
-    group.add_argument("--cpus-per-replica", type=float, default=None, metavar="N",
-                       help="Ray CPUs each replica reserves (and its torch threads, unless "
-                            "--num-threads); unset: the local cluster's CPUs / N, else 1")
-    group.add_argument("--replica-max-ongoing", type=int, default=256, metavar="N",
-                       help="requests Serve sends one replica at a time (its engine queues "
-                            "them)")
-
-
 # The replica flags and their defaults: given without --replicas, they would mean nothing.
 _REPLICA_DEFAULTS = {"ray_address": None, "router": "prefix",
                      "router_imbalance_threshold": PrefixRoutingConfig.imbalance_threshold,
                      "router_min_match_tokens": PrefixRoutingConfig.min_match_tokens,
                      "cpus_per_replica": None, "replica_max_ongoing": 256}
 _PREFIX_ONLY = ("router_imbalance_threshold", "router_min_match_tokens")
+
+
+def add_flags(group: argparse._ArgumentGroup) -> None:
+    d = _REPLICA_DEFAULTS
+    group.add_argument("--replicas", type=int, default=None, metavar="N",
+                       help="serve N engine replicas on Ray Serve behind this server, routed "
+                            "by the prefixes each replica's cache holds; unset: one engine in "
+                            "this process (needs the ray extra: pip install radixserve[ray])")
+    group.add_argument("--ray-address", default=d["ray_address"], metavar="ADDR",
+                       help="join this Ray cluster (e.g. ray://host:10001 or auto) instead of "
+                            "starting a local one")
+    group.add_argument("--router", choices=ROUTER_NAMES, default=d["router"],
+                       help="prefix: longest prefix each replica's KV events show, then load; "
+                            "pow2: power of two choices; round-robin; ray-prefix: Ray's own "
+                            "PrefixCacheAffinityRouter (characters of routed prompts), for "
+                            "comparison")
+    group.add_argument("--router-imbalance-threshold", type=int,
+                       default=d["router_imbalance_threshold"], metavar="N",
+                       help="prefix router: a replica with more than N requests in flight "
+                            "beyond the least loaded one is passed over (a miss costs a "
+                            "prefix's prefill; a busier replica only shares its batched "
+                            "decode steps, so N is not small)")
+    group.add_argument("--router-min-match-tokens", type=int,
+                       default=d["router_min_match_tokens"], metavar="TOKENS",
+                       help="prefix router: a cached prefix shorter than this is not worth "
+                            "following; such requests go where load is lowest")
+    group.add_argument("--cpus-per-replica", type=float, default=d["cpus_per_replica"],
+                       metavar="N",
+                       help="Ray CPUs each replica reserves (and its torch threads, unless "
+                            "--num-threads); unset: the local cluster's CPUs / N, else 1")
+    group.add_argument("--replica-max-ongoing", type=int, default=d["replica_max_ongoing"],
+                       metavar="N",
+                       help="requests Serve sends one replica at a time (its engine queues "
+                            "them)")
 
 
 def _flag(name: str) -> str:
