@@ -49,6 +49,46 @@ def test_rms_norm_module_uses_the_op_and_agrees_with_pytorch():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,hidden", [(1, 2048), (33, 100)])
+def test_add_rms_norm_is_the_add_then_the_norm(dtype, rows, hidden):
+    torch.manual_seed(rows + hidden)
+    x, d = (torch.randn(rows, hidden) * 3).to(dtype), torch.randn(rows, hidden).to(dtype)
+    w = torch.randn(hidden).to(dtype)
+    total, normed = ops.add_rms_norm(x, d, w, 1e-5)
+    # The sum rounded as PyTorch's add rounds it, and the norm's bits of that sum.
+    assert torch.equal(total, x + d)
+    assert torch.equal(normed, ops.rms_norm(x + d, w, 1e-5))
+    assert total.data_ptr() != x.data_ptr()  # the residual it was given is left as it was
+    # The module: the fused call where it runs, PyTorch's add and norm elsewhere, the same sum.
+    fused, plain = RMSNorm(hidden, 1e-5, ops), RMSNorm(hidden, 1e-5)
+    with torch.no_grad():
+        fused.weight.copy_(w)
+        plain.weight.copy_(w)
+    fused, plain = fused.to(dtype), plain.to(dtype)
+    (fused_total, fused_norm), (plain_total, plain_norm) = (
+        fused.add_and_norm(x, d), plain.add_and_norm(x, d))
+    assert torch.equal(fused_total, plain_total)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(fused_norm.float(), plain_norm.float(), rtol=tolerance, atol=tolerance)
+    # No delta: the residual as it is, and its norm.
+    same, norm_only = fused.add_and_norm(x, None)
+    assert same is x and torch.equal(norm_only, ops.rms_norm(x, w, 1e-5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,intermediate", [(1, 8192), (5, 1536), (3, 40)])
+def test_silu_mul_is_pytorchs_silu_times_up(dtype, rows, intermediate):
+    torch.manual_seed(rows)
+    gate_up = (torch.randn(rows, 2 * intermediate) * 4).to(dtype)
+    got = ops.silu_mul(gate_up)
+    gate, up = gate_up.split(intermediate, dim=-1)
+    assert got.shape == (rows, intermediate) and got.is_contiguous()
+    assert torch.equal(got, torch.nn.functional.silu(gate) * up)
+    # Gate and up the other way round would not pass for it.
+    assert not torch.equal(got, torch.nn.functional.silu(up) * gate)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotary_matches_the_pytorch_rotation(dtype):
     torch.manual_seed(1)
     tokens, heads, kv_heads, head_dim = 7, 4, 2, 64
@@ -83,6 +123,10 @@ def test_ops_refuse_what_they_cannot_compute():
         ops.rotary_embedding_(qkv, torch.randn(3, 64), torch.randn(3, 64), 2)
     with pytest.raises(ValueError, match="heads"):
         ops.rotary_embedding_(qkv, torch.randn(3, 32), torch.randn(3, 32), 5)
+    with pytest.raises(ValueError, match="x's shape"):
+        ops.add_rms_norm(x, torch.randn(2, 32), torch.randn(64), 1e-5)
+    with pytest.raises(ValueError, match="gate first"):
+        ops.silu_mul(torch.randn(2, 63))
 
 
 def test_fused_and_pytorch_model_paths_agree(model_path):
@@ -95,6 +139,7 @@ def test_fused_and_pytorch_model_paths_agree(model_path):
     llm = LLM(str(model_path), **settings)
     model = llm.engine.model
     assert model.norm.ops is ops and model.layers[0].self_attn.ops is ops
+    assert model.layers[0].mlp.ops is ops
     ids = llm.tokenizer.encode("The capital of France is")
     greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     fused_logits = llm.engine.prompt_logits(ids)

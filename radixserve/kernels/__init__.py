@@ -76,6 +76,16 @@ class LayerOps:
         """HF's LlamaRMSNorm of x [M, H] (contiguous) with weight [H] in x's dtype."""
         return torch.ops.radixserve.rms_norm(x, weight, eps)
 
+    def add_rms_norm(self, x: torch.Tensor, d: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + d, RMSNorm of it) for x and d [M, H] (contiguous): a residual add and the norm
+        after it, in one call; the sum rounded to the dtype as PyTorch's add rounds it."""
+        return torch.ops.radixserve.add_rms_norm(x, d, weight, eps)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """F.silu(gate) * up of gate_up [M, 2I] (gate first), the same bits, in one call."""
+        return torch.ops.radixserve.silu_mul(gate_up)
+
     def rotary_embedding_(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                           heads: int) -> None:
         """Rotates heads [0, heads) of qkv [T, all heads, D] (contiguous) in place, "rotate

@@ -15,6 +15,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/silu.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
@@ -22,6 +23,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <tuple>
 
 namespace {
 
@@ -33,35 +35,52 @@ inline float load(const T* p, int64_t i) {
   return static_cast<float>(p[i]);
 }
 
-// y = w * to_dtype(x * rsqrt(mean(x^2) + eps)): HF's LlamaRMSNorm, whose product with the
-// weight is in the model's dtype (for bfloat16 a second rounding, kept).
+// y = w * to_dtype(x * rsqrt(mean(x^2) + eps)) of one row: HF's LlamaRMSNorm, whose product
+// with the weight is in the model's dtype (for bfloat16 a second rounding, kept).
+template <typename T>
+inline void rms_norm_row(const T* xr, const T* w, T* yr, int64_t h, double eps) {
+  // Eight partial sums in a fixed order: vectorisable, and the same bits every call.
+  float partial[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= h; i += 8)
+    for (int j = 0; j < 8; ++j) {
+      const float v = load(xr, i + j);
+      partial[j] += v * v;
+    }
+  for (; i < h; ++i) {
+    const float v = load(xr, i);
+    partial[0] += v * v;
+  }
+  const float sum = ((partial[0] + partial[1]) + (partial[2] + partial[3])) +
+                    ((partial[4] + partial[5]) + (partial[6] + partial[7]));
+  const float scale = 1.f / std::sqrt(sum / static_cast<float>(h) + static_cast<float>(eps));
+  for (int64_t c = 0; c < h; ++c) {
+    const T normed = static_cast<T>(load(xr, c) * scale);
+    yr[c] = static_cast<T>(load(w, c) * static_cast<float>(normed));
+  }
+}
+
 template <typename T>
 void rms_norm_rows(const T* x, const T* w, T* y, int64_t rows, int64_t h, double eps) {
   const int64_t grain = std::max<int64_t>(1, kGrainElements / h);
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) rms_norm_row(x + r * h, w, y + r * h, h, eps);
+  });
+}
+
+// s = x + d (rounded to the dtype, as PyTorch's add) and y = RMSNorm(s), row by row: the
+// residual add before each norm of a decoder layer, in one pass.
+template <typename T>
+void add_rms_norm_rows(const T* x, const T* d, const T* w, T* s, T* y, int64_t rows, int64_t h,
+                       double eps) {
+  const int64_t grain = std::max<int64_t>(1, kGrainElements / h);
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + r * h;
-      // Eight partial sums in a fixed order: vectorisable, and the same bits every call.
-      float partial[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      int64_t i = 0;
-      for (; i + 8 <= h; i += 8)
-        for (int j = 0; j < 8; ++j) {
-          const float v = load(xr, i + j);
-          partial[j] += v * v;
-        }
-      for (; i < h; ++i) {
-        const float v = load(xr, i);
-        partial[0] += v * v;
-      }
-      const float sum = ((partial[0] + partial[1]) + (partial[2] + partial[3])) +
-                        ((partial[4] + partial[5]) + (partial[6] + partial[7]));
-      const float scale =
-          1.f / std::sqrt(sum / static_cast<float>(h) + static_cast<float>(eps));
-      T* yr = y + r * h;
-      for (int64_t c = 0; c < h; ++c) {
-        const T normed = static_cast<T>(load(xr, c) * scale);
-        yr[c] = static_cast<T>(load(w, c) * static_cast<float>(normed));
-      }
+      const T* dr = d + r * h;
+      T* sr = s + r * h;
+      for (int64_t c = 0; c < h; ++c) sr[c] = static_cast<T>(load(xr, c) + load(dr, c));
+      rms_norm_row(sr, w, y + r * h, h, eps);
     }
   });
 }
@@ -80,6 +99,40 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   else
     rms_norm_rows(x.data_ptr<c10::BFloat16>(), weight.data_ptr<c10::BFloat16>(),
                   y.data_ptr<c10::BFloat16>(), x.size(0), x.size(1), eps);
+  return y;
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& d,
+                                                const at::Tensor& weight, double eps) {
+  TORCH_CHECK_VALUE(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous() &&
+                        (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+                    "x: contiguous float32 or bfloat16 [M, H] on the CPU");
+  TORCH_CHECK_VALUE(d.sizes() == x.sizes() && d.scalar_type() == x.scalar_type() &&
+                        d.is_contiguous() && d.device().is_cpu(),
+                    "d: contiguous, x's shape and dtype");
+  TORCH_CHECK_VALUE(weight.dim() == 1 && weight.size(0) == x.size(1) &&
+                        weight.scalar_type() == x.scalar_type() && weight.is_contiguous(),
+                    "weight: [H] in x's dtype");
+  at::Tensor s = at::empty_like(x), y = at::empty_like(x);
+  if (x.scalar_type() == at::kFloat)
+    add_rms_norm_rows(x.data_ptr<float>(), d.data_ptr<float>(), weight.data_ptr<float>(),
+                      s.data_ptr<float>(), y.data_ptr<float>(), x.size(0), x.size(1), eps);
+  else
+    add_rms_norm_rows(x.data_ptr<c10::BFloat16>(), d.data_ptr<c10::BFloat16>(),
+                      weight.data_ptr<c10::BFloat16>(), s.data_ptr<c10::BFloat16>(),
+                      y.data_ptr<c10::BFloat16>(), x.size(0), x.size(1), eps);
+  return {s, y};
+}
+
+// silu(gate) * up of gate_up [M, 2I] (gate the first I columns): PyTorch's own kernels,
+// called from here, so the bits are those of F.silu(gate) * up and only the Python dispatch
+// of a split, a silu and a mul goes.
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK_VALUE(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0,
+                    "gate_up: [M, 2I], the gate first");
+  const int64_t half = gate_up.size(1) / 2;
+  at::Tensor y = at::silu(gate_up.narrow(1, 0, half));
+  y.mul_(gate_up.narrow(1, half, half));
   return y;
 }
 
@@ -173,6 +226,10 @@ TORCH_LIBRARY_FRAGMENT(radixserve, m) {
   m.impl("apply_token_bitmask_", c10::DispatchKey::CPU, TORCH_FN(apply_token_bitmask_));
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(rms_norm));
+  m.def("add_rms_norm(Tensor x, Tensor d, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.impl("add_rms_norm", c10::DispatchKey::CPU, TORCH_FN(add_rms_norm));
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.impl("silu_mul", c10::DispatchKey::CPU, TORCH_FN(silu_mul));
   m.def("rotary_embedding_(Tensor(a!) qkv, Tensor cos, Tensor sin, int heads) -> ()");
   m.impl("rotary_embedding_", c10::DispatchKey::CPU, TORCH_FN(rotary_embedding_));
 }

@@ -86,9 +86,24 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32 as HF does, so bfloat16 runs stay close to the float32 ones.
-        if self.ops is not None and x.is_cpu and x.dtype in FUSED_DTYPES and x.dim() == 2:
+        if self._fused(x):
             return self.ops.rms_norm(x.contiguous(), self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
+
+    def add_and_norm(self, residual: torch.Tensor, delta: torch.Tensor | None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual + delta, its norm); with no delta, (residual, its norm). One call where
+        the fused ops run: between a decode step's matmuls every dispatch counts."""
+        if delta is None:
+            return residual, self(residual)
+        if self._fused(residual) and delta.dtype == residual.dtype:
+            return self.ops.add_rms_norm(residual.contiguous(), delta.contiguous(), self.weight,
+                                         self.eps)
+        residual = residual + delta
+        return residual, self(residual)
+
+    def _fused(self, x: torch.Tensor) -> bool:
+        return self.ops is not None and x.is_cpu and x.dtype in FUSED_DTYPES and x.dim() == 2
 
 
 @dataclass(frozen=True)
@@ -146,8 +161,10 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, linear: LinearMethod) -> None:
+    def __init__(self, config: ModelConfig, linear: LinearMethod,
+                 ops: LayerOps | None = None) -> None:
         super().__init__()
+        self.ops = ops
         self.intermediate = config.intermediate_size
         # gate and up in one matmul, for the same reason as qkv.
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, False,
@@ -155,7 +172,10 @@ class MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, False, linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.ops is not None and gate_up.is_cpu and gate_up.dim() == 2:
+            return self.down_proj(self.ops.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -166,7 +186,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.self_attn = Attention(config, linear, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        self.mlp = MLP(config, linear)
+        self.mlp = MLP(config, linear, ops)
 
 
 class LlamaModel(nn.Module):
@@ -208,12 +228,14 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(batch.input_ids)
         angles = batch.positions.to(self.inv_freq.dtype).unsqueeze(-1) * self.inv_freq
         rotary = Rotary(angles.cos(), angles.sin())  # [T, D / 2] each
-        residual = x
+        residual, h = x, None
         for i, layer in enumerate(self.layers):
-            h = layer.self_attn(layer.input_layernorm(residual), rotary, batch, caches[i])
-            residual = residual + h
-            residual = residual + layer.mlp(layer.post_attention_layernorm(residual))
-        return residual
+            # Each norm takes the residual add before it (the previous block's output).
+            residual, x = layer.input_layernorm.add_and_norm(residual, h)
+            h = layer.self_attn(x, rotary, batch, caches[i])
+            residual, x = layer.post_attention_layernorm.add_and_norm(residual, h)
+            h = layer.mlp(x)
+        return residual if h is None else residual + h
 
     def load_hf_weights(self, weights: dict[str, torch.Tensor | QuantizedWeight],
                         dtype: torch.dtype, progress: bool = False) -> None:
