@@ -10,6 +10,7 @@
 // by its scale in the vpmaddwd (scales duplicated into both int16 halves of a lane), so their
 // sums stay exact int32 too. Float operations follow panel_portable exactly.
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -218,15 +219,29 @@ RS_AVX2 inline void row_pairs(const uint8_t* a, const uint8_t* b, __m256i* out) 
   out[1] = Signed ? _mm256_cvtepi8_epi16(hi) : _mm256_cvtepu8_epi16(hi);
 }
 
+// Part `part` of `parts` of the 64-byte lines of a panel block of `bytes` at `ahead`, into
+// cache. With one activation row a superblock is worked on briefly, and the 37 (Q4_K) or 53
+// (Q6_K) prefetches of the next-but-one issued at once outrun the core's queue of misses: a
+// few at a time, spread over the block's work, streamed Q6_K 25% and Q4_K 10% faster.
+template <int64_t Bytes>
+RS_AVX2 inline void prefetch_part(const uint8_t* ahead, int part, int parts) {
+  constexpr int64_t lines = (Bytes + 63) / 64;
+  const int64_t per = (lines + parts - 1) / parts;
+  for (int64_t line = per * part; line < std::min(per * (part + 1), lines); ++line)
+    _mm_prefetch(reinterpret_cast<const char*>(ahead + 64 * line), _MM_HINT_T0);
+}
+
 // Q4_K for one activation row: I (total) and Imin (mins) of one superblock for all 16 rows
 // of the panel at once, total[h] holding rows 8h..8h+7. Both halves of a unit share each
-// activation broadcast and each scale load; the integers are those of q4k_sums.
+// activation broadcast and each scale load; the integers are those of q4k_sums. `ahead` is
+// the block to prefetch meanwhile.
 RS_AVX2 inline void q4k_sums_one(const uint8_t* block, const int8_t* q, const int16_t* sums32,
-                                 __m256i* total, __m256i* mins) {
+                                 __m256i* total, __m256i* mins, const uint8_t* ahead) {
   const __m256i low = _mm256_set1_epi8(0x0F);
   const uint8_t* units = block + kQ4_K.units_at;
   total[0] = total[1] = _mm256_setzero_si256();
   for (int c = 0; c < 4; ++c) {
+    prefetch_part<kQ4_K.panel_bytes>(ahead, c, 4);
     __m256i lo_pairs[2], hi_pairs[2];
     for (int t = 0; t < 8; ++t) {
       const uint8_t* unit = units + (8 * c + t) * kUnit;
@@ -354,10 +369,11 @@ RS_AVX2 inline void q6k_quad(const uint8_t* block, int half, int vq, const int8_
 }
 
 RS_AVX2 inline void q6k_sums_one(const uint8_t* block, const int8_t* q, const int16_t* sums16,
-                                 __m256i* total) {
+                                 __m256i* total, const uint8_t* ahead) {
   total[0] = total[1] = _mm256_setzero_si256();
   for (int half = 0; half < 2; ++half)
     for (int vq = 0; vq < 2; ++vq) {
+      prefetch_part<kQ6_K.panel_bytes>(ahead, 2 * half + vq, 4);
       q6k_quad<0>(block, half, vq, q, total);
       q6k_quad<1>(block, half, vq, q, total);
       q6k_quad<2>(block, half, vq, q, total);
@@ -387,15 +403,18 @@ RS_AVX2 void tile_k(const uint8_t* panel, const QuantizedRows& a, int64_t r0, fl
   }
   for (int64_t b = 0; b < a.blocks; ++b) {
     const uint8_t* block = panel + b * stride;
-    for (int64_t line = 0; line < stride; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(block + kAheadK * stride + line), _MM_HINT_T0);
+    if constexpr (R > 1)  // (one row spreads its prefetches over the block's work)
+      for (int64_t line = 0; line < stride; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(block + kAheadK * stride + line), _MM_HINT_T0);
     // One row takes both halves of the panel in one pass (Q4_K 12%, Q6_K 20% faster,
     // measured); with more rows those accumulators no longer fit in registers, and each half
     // is a pass of its own.
     __m256i totals[2][R], mins_of[2][R];  // [half][row]
     if constexpr (R == 1 && K == Kind::q4k)
-      q4k_sums_one(block, q[0], sums[0], &totals[0][0], &mins_of[0][0]);
-    if constexpr (R == 1 && K == Kind::q6k) q6k_sums_one(block, q[0], sums[0], &totals[0][0]);
+      q4k_sums_one(block, q[0], sums[0], &totals[0][0], &mins_of[0][0],
+                   block + kAheadK * stride);
+    if constexpr (R == 1 && K == Kind::q6k)
+      q6k_sums_one(block, q[0], sums[0], &totals[0][0], block + kAheadK * stride);
     for (int h = 0; h < 2; ++h) {
       __m256i* total = totals[h];
       __m256i* mins = mins_of[h];
