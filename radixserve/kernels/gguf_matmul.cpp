@@ -20,6 +20,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
@@ -132,36 +133,40 @@ using namespace radixserve::gguf;
 
 constexpr int64_t kRowChunk = 256;  // activation rows per call of a panel path (scratch size)
 
-// x [M, K] quantized per block of 32 or 256 (QuantizedRows' arrays; the sums the block size
-// needs, the others empty).
+// x [M, K] quantized per block of 32 or 256: QuantizedRows' arrays (for blocks of 32 the sums
+// and dxs, for 256 sums16 and sums32; the others empty), carved from one allocation: a decode
+// step makes a hundred calls of a few microseconds, where six allocations each showed.
 struct Quantized {
-  at::Tensor q, dx, sums, dxs, sums16, sums32;
-  QuantizedRows view() const {
-    return {q.data_ptr<int8_t>(), dx.data_ptr<float>(), sums.data_ptr<int32_t>(),
-            dxs.data_ptr<float>(), sums16.data_ptr<int16_t>(), sums32.data_ptr<int16_t>(),
-            q.size(1), dx.size(1)};
-  }
+  at::Tensor buffer;
+  QuantizedRows rows{};
 };
 
 Quantized quantize(const at::Tensor& x, int block, int path) {
   const int64_t m = x.size(0), k = x.size(1), blocks = k / block;
-  const auto options = x.options();
   const int64_t n32 = block == 32 ? blocks : 0, n256 = block == 256 ? 1 : 0;
-  Quantized out{at::empty({m, k}, options.dtype(at::kChar)),
-                at::empty({m, blocks}, options.dtype(at::kFloat)),
-                at::empty({m, n32}, options.dtype(at::kInt)),
-                at::empty({m, n32}, options.dtype(at::kFloat)),
-                at::empty({m, n256 * k / 16}, options.dtype(at::kShort)),
-                at::empty({m, n256 * k / 32}, options.dtype(at::kShort))};
+  auto aligned = [](int64_t bytes) { return (bytes + 63) / 64 * 64; };
+  const int64_t sizes[6] = {aligned(m * k), aligned(m * blocks * 4), aligned(m * n32 * 4),
+                            aligned(m * n32 * 4), aligned(m * n256 * k / 16 * 2),
+                            aligned(m * n256 * k / 32 * 2)};
+  int64_t total = 0;
+  for (int64_t size : sizes) total += size;
+  Quantized out{at::empty({std::max<int64_t>(total, 1)}, x.options().dtype(at::kByte))};
+  uint8_t* cursor = out.buffer.data_ptr<uint8_t>();  // 64-byte aligned, as every CPU allocation
+  uint8_t* arrays[6];
+  for (int i = 0; i < 6; ++i) {
+    arrays[i] = cursor;
+    cursor += sizes[i];
+  }
+  int8_t* q = reinterpret_cast<int8_t*>(arrays[0]);
+  float* dx = reinterpret_cast<float*>(arrays[1]);
+  int32_t* sums = reinterpret_cast<int32_t*>(arrays[2]);
+  float* dxs = reinterpret_cast<float*>(arrays[3]);
+  int16_t* sums16 = reinterpret_cast<int16_t*>(arrays[4]);
+  int16_t* sums32 = reinterpret_cast<int16_t*>(arrays[5]);
+  out.rows = {q, dx, sums, dxs, sums16, sums32, k, blocks};
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   const char* src = static_cast<const char*>(x.data_ptr());
   const int64_t row_bytes = k * x.element_size();
-  int8_t* q = out.q.data_ptr<int8_t>();
-  float* dx = out.dx.data_ptr<float>();
-  int32_t* sums = out.sums.data_ptr<int32_t>();
-  float* dxs = out.dxs.data_ptr<float>();
-  int16_t* sums16 = out.sums16.data_ptr<int16_t>();
-  int16_t* sums32 = out.sums32.data_ptr<int16_t>();
   at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> widened(bf16 ? k : 0);
     for (int64_t r = begin; r < end; ++r) {
@@ -264,9 +269,10 @@ at::Tensor gguf_linear(const at::Tensor& x, at::TensorList panels, at::IntArrayR
   const int path = checked_path(max_path);
   // x quantized once per block size that the parts use.
   Quantized quantized32, quantized256;
-  QuantizedRows a32{}, a256{};
-  if (blocks32) a32 = (quantized32 = quantize(x, 32, path)).view();
-  if (blocks256) a256 = (quantized256 = quantize(x, 256, path)).view();
+  if (blocks32) quantized32 = quantize(x, 32, path);
+  if (blocks256) quantized256 = quantize(x, 256, path);
+  const QuantizedRows& a32 = quantized32.rows;
+  const QuantizedRows& a256 = quantized256.rows;
   const PanelPath run = panel_path(path);
   const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   const bool bf16 = x.scalar_type() == at::kBFloat16;
@@ -315,8 +321,17 @@ std::vector<at::Tensor> gguf_quantize_activations(const at::Tensor& x, int64_t b
   TORCH_CHECK_VALUE(block == 32 || block == 256, "block must be 32 or 256");
   TORCH_CHECK_VALUE(x.size(1) >= block && x.size(1) % block == 0,
                     "K = ", x.size(1), " is not a multiple of ", block);
-  Quantized out = quantize(x, static_cast<int>(block), checked_path(max_path));
-  return {out.q, out.dx, out.sums, out.dxs, out.sums16, out.sums32};
+  const Quantized out = quantize(x, static_cast<int>(block), checked_path(max_path));
+  const QuantizedRows& a = out.rows;
+  const int64_t m = x.size(0), k = x.size(1), n32 = block == 32 ? k / 32 : 0;
+  const int64_t n256 = block == 256 ? 1 : 0;
+  auto copy = [&](const void* data, at::IntArrayRef sizes, at::ScalarType type) {
+    return at::from_blob(const_cast<void*>(data), sizes, x.options().dtype(type)).clone();
+  };
+  return {copy(a.q, {m, k}, at::kChar), copy(a.dx, {m, a.blocks}, at::kFloat),
+          copy(a.sums, {m, n32}, at::kInt), copy(a.dxs, {m, n32}, at::kFloat),
+          copy(a.sums16, {m, n256 * k / 16}, at::kShort),
+          copy(a.sums32, {m, n256 * k / 32}, at::kShort)};
 }
 
 int64_t gguf_quant_path() { return radixserve::quant_path(); }
