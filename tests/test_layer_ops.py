@@ -150,3 +150,36 @@ def test_fused_and_pytorch_model_paths_agree(model_path):
     plain_logits = llm.engine.prompt_logits(ids)
     assert (fused_logits - plain_logits).abs().max() < 1e-3
     assert llm.generate({"prompt_token_ids": ids}, greedy)[0].outputs[0].token_ids == fused_tokens
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 8, 49152, 49157])
+def test_argmax_rows_is_torchs_argmax(vocab):
+    torch.manual_seed(vocab)
+    logits = torch.randn(6, vocab)
+    if vocab > 8:
+        logits[1, 3] = logits[1, vocab - 2] = 50.0  # a tie: the first index wins
+        logits[2] = float("-inf")  # nothing finite: index 0, as torch
+        logits[3, vocab // 2] = float("nan")  # a NaN wins over any number, as in torch
+        logits[3, vocab - 1] = float("nan")
+        logits[4, vocab - 1] = float("inf")
+        logits[5, :] = 1.0  # all equal
+    got = torch.ops.radixserve.argmax_rows(logits)
+    assert got.tolist() == torch.argmax(logits, dim=-1).tolist()
+
+
+def test_write_kv_stores_rows_where_index_copy_would():
+    torch.manual_seed(0)
+    heads, kv_heads, d, capacity = 4, 2, 64, 40
+    qkv = torch.randn(5, heads + 2 * kv_heads, d)  # k and v read in place, strided
+    k, v = qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]
+    slots = torch.tensor([7, 0, 39, 12, 13])
+    got_k, got_v = torch.randn(kv_heads, capacity, d), torch.randn(kv_heads, capacity, d)
+    want_k, want_v = got_k.clone(), got_v.clone()
+    torch.ops.radixserve.write_kv_(got_k, got_v, slots, k, v)
+    want_k.index_copy_(1, slots, k.transpose(0, 1))
+    want_v.index_copy_(1, slots, v.transpose(0, 1))
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+    with pytest.raises(IndexError, match="outside the pool"):
+        torch.ops.radixserve.write_kv_(got_k, got_v, torch.tensor([0, 1, 2, 3, 40]), k, v)
+    with pytest.raises(ValueError, match="caches' dtype"):
+        torch.ops.radixserve.write_kv_(got_k, got_v, slots, k.double(), v.double())

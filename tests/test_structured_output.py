@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from radixserve import LLM
-from radixserve.engine.sampler import SampleRow, allowed_tokens, sample
+from radixserve.engine.sampler import SampleRow, SamplerKernels, allowed_tokens, sample
 from radixserve.kernels import token_bitmask_op
 from radixserve.sampling_params import SamplingParams, StructuredOutputsParams
 from radixserve.server.tool_parsers import ToolCall
@@ -70,7 +70,7 @@ def test_sampling_follows_the_mask_and_the_grammar_outlasts_min_tokens() -> None
     rows = [SampleRow(SamplingParams(temperature=1.0), None, allowed=mask),
             SampleRow(SamplingParams(temperature=0), None, banned={35}, allowed=mask)]
     for mask_op in (None, token_bitmask_op()):  # PyTorch's path, then the kernel's
-        result = sample(logits, rows, mask_op)
+        result = sample(logits, rows, SamplerKernels(mask=mask_op))
         assert result.token_ids == [35, 35]  # row 2: min_tokens bans the grammar's only token
 
 

@@ -19,10 +19,10 @@ import torch
 
 from radixserve.engine.kv_pool import KVPool
 from radixserve.engine.request import Request
-from radixserve.engine.sampler import SampleResult, SampleRow, sample
+from radixserve.engine.sampler import SampleResult, SampleRow, SamplerKernels, sample
 from radixserve.engine.scheduler import SchedulerOutput
 from radixserve.engine.structured_output import fill_masks
-from radixserve.kernels import token_bitmask_op
+from radixserve.kernels import argmax_op, token_bitmask_op
 from radixserve.layers.attention import SequenceSpan, StepAttention, StepLayout
 from radixserve.model.llama import ForwardBatch, LlamaModel
 from radixserve.outputs import TokenLogprob
@@ -68,9 +68,10 @@ class ModelRunner:
         # Draws the samples of requests without a seed of their own (EngineConfig.seed).
         self.generator = generator
         self._masks: ThreadPoolExecutor | None = None  # started by the first constrained step
-        # Logits are sampled on the CPU: the C++ mask op where the kernels are built (always
-        # on CPU engines, which use them for the model).
-        self._mask_op = token_bitmask_op() if device.type == "cpu" else None
+        # Logits are sampled on the CPU: the C++ ops where the kernels are built (always on
+        # CPU engines, which use them for the model).
+        self._sampler_kernels = (SamplerKernels(token_bitmask_op(), argmax_op())
+                                 if device.type == "cpu" else SamplerKernels())
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
@@ -145,7 +146,7 @@ class ModelRunner:
                           len(r.prompt_token_ids), allowed.get(id(r)))
                 for r in wants_logits]
         with torch.inference_mode():
-            samples = sample(logits.cpu(), rows, self._mask_op)
+            samples = sample(logits.cpu(), rows, self._sampler_kernels)
         return StepResult(wants_logits, samples, prompt_logprobs)
 
     @torch.inference_mode()

@@ -97,7 +97,9 @@ def _rows_of(logits: torch.Tensor, at: list[int]) -> torch.Tensor:
     return logits if at == list(range(logits.shape[0])) else logits[at]
 
 
-def _argmax(logits: torch.Tensor, rows: list[SampleRow]) -> list[int]:
+def _argmax(logits: torch.Tensor, op: Callable[[torch.Tensor], torch.Tensor] | None) -> list[int]:
+    if op is not None and logits.dtype == torch.float32 and logits.is_contiguous():
+        return op(logits).tolist()
     return torch.argmax(logits, dim=-1).tolist()
 
 
@@ -126,19 +128,33 @@ def _draw(logits: torch.Tensor, rows: list[SampleRow]) -> list[int]:
     return found.squeeze(1).clamp_(max=logits.shape[-1] - 1).tolist()
 
 
+@dataclass(frozen=True)
+class SamplerKernels:
+    """The C++ ops sampling uses where they are built (radixserve/kernels/layer_ops.cpp), each
+    a few times faster than the PyTorch ops it replaces; None: PyTorch's."""
+
+    # Applies grammar bitmasks to logits rows in one pass (kernels.token_bitmask_op).
+    mask: Callable[..., None] | None = None
+    # torch.argmax(logits, -1) of float32 rows, the same answers (kernels.argmax_op).
+    argmax: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+
 def sample(logits: torch.Tensor, rows: list[SampleRow],
-           mask_op: Callable[..., None] | None = None) -> SampleResult:
-    """Samples one token per row of `logits` ([R, vocab], float32), `rows[i]` saying how.
-    `mask_op` applies grammar masks in one pass (`kernels.token_bitmask_op`); without it
-    PyTorch does, a few times slower."""
-    logits = _adjusted(logits.float(), rows, mask_op)
+           kernels: SamplerKernels | None = None) -> SampleResult:
+    """Samples one token per row of `logits` ([R, vocab], float32), `rows[i]` saying how."""
+    kernels = kernels or SamplerKernels()
+    logits = _adjusted(logits.float(), rows, kernels.mask)
     tokens = [0] * len(rows)
-    for greedy, pick in ((True, _argmax), (False, _draw)):
-        at = [i for i, row in enumerate(rows) if row.params.greedy == greedy]
-        if at:
-            for i, token in zip(at, pick(_rows_of(logits, at), [rows[i] for i in at]),
-                                strict=True):
-                tokens[i] = token
+    greedy = [i for i, row in enumerate(rows) if row.params.greedy]
+    if greedy:
+        for i, token in zip(greedy, _argmax(_rows_of(logits, greedy), kernels.argmax),
+                            strict=True):
+            tokens[i] = token
+    drawn = [i for i, row in enumerate(rows) if not row.params.greedy]
+    if drawn:
+        for i, token in zip(drawn, _draw(_rows_of(logits, drawn), [rows[i] for i in drawn]),
+                            strict=True):
+            tokens[i] = token
     logprobs: list[tuple[float, dict[int, float]] | None] = [None] * len(rows)
     want = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
     if want:

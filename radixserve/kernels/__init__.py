@@ -106,6 +106,20 @@ def token_bitmask_op() -> Callable[..., None] | None:
     return torch.ops.radixserve.apply_token_bitmask_ if _library() else None
 
 
+def argmax_op() -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """`torch.ops.radixserve.argmax_rows` (layer_ops.cpp), None where the kernels cannot be
+    built: torch.argmax(logits, -1) of float32 [R, V] (the same indices, NaN first as torch),
+    in one pass a row."""
+    return torch.ops.radixserve.argmax_rows if _library() else None
+
+
+def kv_write_op() -> Callable[..., None] | None:
+    """`torch.ops.radixserve.write_kv_` (layer_ops.cpp), None where the kernels cannot be
+    built: (k_cache, v_cache [Hkv, S, D] contiguous, slots int64 [T], k, v [T, Hkv, D] in the
+    caches' dtype, last dim contiguous) -> None, caches[h, slots[t]] = rows[t, h]."""
+    return torch.ops.radixserve.write_kv_ if _library() else None
+
+
 FLOAT_PATHS = ("portable", "avx2", "avx512")  # skinny_float_linear's paths, by max_path
 
 

@@ -16,6 +16,7 @@ from typing import ClassVar, Literal, Protocol
 import numpy as np
 import torch
 
+from radixserve.kernels import kv_write_op
 from radixserve.kernels.cpu import has_fast_bf16
 
 
@@ -86,7 +87,11 @@ class LayerKV:
     v: torch.Tensor
 
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Stores rows' keys and values ([T, Hkv, D]) at `slots`."""
+        """Stores rows' keys and values ([T, Hkv, D]) at `slots` (int64)."""
+        if (self.k.is_cpu and k.dtype == v.dtype == self.k.dtype and k.stride(-1) == 1
+                and v.stride(-1) == 1 and (write := kv_write_op()) is not None):
+            write(self.k, self.v, slots, k, v)  # one call for both, read in place
+            return
         self.k.index_copy_(1, slots, k.transpose(0, 1))
         self.v.index_copy_(1, slots, v.transpose(0, 1))
 
