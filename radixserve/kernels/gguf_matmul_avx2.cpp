@@ -450,11 +450,117 @@ RS_AVX2 void tile_k(const uint8_t* panel, const QuantizedRows& a, int64_t r0, fl
   }
 }
 
+// Q6_K with several activation rows: each superblock's 6-bit values are unpacked once into
+// bytes (unit g of `values` = weights 4g..4g+3 of the 16 rows, 4 KB, in L1), which every tile
+// of rows then reads. Units 2j and 2j + 1 lie in one group of 16 weights, and two pair sums
+// of 6-bit values (each at most 2 * 63 * 127) fit in int16: they are added before the one
+// vpmaddwd that weighs them by the group's scale, half the vpmaddwd (the multiply ports'
+// other tenant) of q6k_sums. The integers, and so the float steps and bits, are q6k_sums'.
+RS_AVX2 inline void q6k_unpack(const uint8_t* block, uint8_t* values) {
+  const __m256i low = _mm256_set1_epi8(0x0F), bits45 = _mm256_set1_epi8(0x30);
+  const uint8_t* units = block + kQ6_K.units_at;
+  for (int half = 0; half < 2; ++half)
+    for (int v = 0; v < 8; ++v)
+      for (int h = 0; h < 2; ++h) {
+        const __m256i a = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(units + (16 * half + v) * kUnit + 32 * h));
+        const __m256i b = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(units + (16 * half + 8 + v) * kUnit + 32 * h));
+        const __m256i hb = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(units + (32 + 8 * half + v) * kUnit + 32 * h));
+        const __m256i u[4] = {
+            _mm256_or_si256(_mm256_and_si256(a, low),
+                            _mm256_and_si256(_mm256_slli_epi16(hb, 4), bits45)),
+            _mm256_or_si256(_mm256_and_si256(b, low),
+                            _mm256_and_si256(_mm256_slli_epi16(hb, 2), bits45)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), low),
+                            _mm256_and_si256(hb, bits45)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), low),
+                            _mm256_and_si256(_mm256_srli_epi16(hb, 2), bits45))};
+        for (int i = 0; i < 4; ++i)
+          _mm256_store_si256(
+              reinterpret_cast<__m256i*>(values + (32 * half + 8 * i + v) * kUnit + 32 * h), u[i]);
+      }
+}
+
+// One superblock b of rows [r0, r0 + R) from its unpacked values, added to acc (the rows'
+// float sums so far, acc[r * 16 + lane]).
+template <int R>
+RS_AVX2 inline void q6k_block_rows(const uint8_t* block, const uint8_t* values,
+                                   const QuantizedRows& a, int64_t r0, int64_t b, float* acc) {
+  const int8_t* q[R];
+  const int16_t* sums16[R];
+  for (int r = 0; r < R; ++r) {
+    q[r] = a.q + (r0 + r) * a.k + 256 * b;
+    sums16[r] = a.sums16 + (r0 + r) * (a.k / 16) + 16 * b;
+  }
+  for (int h = 0; h < 2; ++h) {
+    __m256i total[R];
+    for (int r = 0; r < R; ++r) total[r] = _mm256_setzero_si256();
+    #pragma GCC unroll 16
+    for (int g = 0; g < 16; ++g) {
+      const __m256i sc = duplicated_i8(block + kQ6kScales + 16 * g + 8 * h);
+      for (int pair = 0; pair < 2; ++pair) {
+        const int unit = 4 * g + 2 * pair;
+        const __m256i u0 = _mm256_load_si256(
+            reinterpret_cast<const __m256i*>(values + unit * kUnit + 32 * h));
+        const __m256i u1 = _mm256_load_si256(
+            reinterpret_cast<const __m256i*>(values + (unit + 1) * kUnit + 32 * h));
+        for (int r = 0; r < R; ++r) {
+          const __m256i sum =
+              _mm256_add_epi16(_mm256_maddubs_epi16(u0, broadcast4(q[r] + 4 * unit)),
+                               _mm256_maddubs_epi16(u1, broadcast4(q[r] + 4 * unit + 4)));
+          total[r] = chained(_mm256_add_epi32(total[r], _mm256_madd_epi16(sum, sc)));
+        }
+      }
+    }
+    for (int p = 0; p < 8; ++p) {  // - 32 * sum_g sc_g * sums16_g
+      const __m256i sc = paired_i8(block + kQ6kScales + 16 * (2 * p) + 8 * h,
+                                   block + kQ6kScales + 16 * (2 * p + 1) + 8 * h);
+      for (int r = 0; r < R; ++r)
+        total[r] = _mm256_sub_epi32(
+            total[r],
+            _mm256_slli_epi32(_mm256_madd_epi16(sc, broadcast_pair(sums16[r] + 2 * p)), 5));
+    }
+    const __m256 d =
+        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 16 * h)));
+    for (int r = 0; r < R; ++r) {
+      const __m256 dx = _mm256_set1_ps(a.dx[(r0 + r) * a.blocks + b]);
+      float* out = acc + r * kRows + 8 * h;
+      _mm256_storeu_ps(out, _mm256_fmadd_ps(_mm256_cvtepi32_ps(total[r]), _mm256_mul_ps(d, dx),
+                                            _mm256_loadu_ps(out)));
+    }
+  }
+}
+
+RS_AVX2 void q6k_panel_rows(const uint8_t* panel, const QuantizedRows& a, int64_t r0,
+                            int64_t rows, float* acc) {
+  alignas(64) uint8_t values[64 * kUnit];
+  constexpr int64_t stride = kQ6_K.panel_bytes;
+  std::fill(acc, acc + rows * kRows, 0.f);
+  for (int64_t b = 0; b < a.blocks; ++b) {
+    const uint8_t* block = panel + b * stride;
+    for (int64_t line = 0; line < stride; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(block + kAheadK * stride + line), _MM_HINT_T0);
+    q6k_unpack(block, values);
+    int64_t r = 0;
+    for (; r + 4 <= rows; r += 4)
+      q6k_block_rows<4>(block, values, a, r0 + r, b, acc + r * kRows);
+    for (; r + 2 <= rows; r += 2)
+      q6k_block_rows<2>(block, values, a, r0 + r, b, acc + r * kRows);
+    for (; r < rows; ++r) q6k_block_rows<1>(block, values, a, r0 + r, b, acc + r * kRows);
+  }
+}
+
 template <Kind K>
 RS_AVX2 void rows_of_panel(const uint8_t* panel, const QuantizedRows& a, int64_t r0,
                            int64_t rows, float* acc) {
   constexpr int kTile = 2;
   int64_t r = 0;
+  if constexpr (K == Kind::q6k) {
+    // Below ~24 rows the unpack is shared by too few tiles (measured slower at 8, even at 16).
+    if (rows >= 24) return q6k_panel_rows(panel, a, r0, rows, acc);
+  }
   if constexpr (K == Kind::q4k || K == Kind::q6k) {
     // Their unpacking costs more per weight: wider tiles share it among more rows.
     for (; r + 4 <= rows; r += 4) tile_k<K, 4>(panel, a, r0 + r, acc + r * kRows);
