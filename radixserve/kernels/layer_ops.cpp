@@ -190,7 +190,8 @@ void write_kv_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots
                const at::Tensor& k, const at::Tensor& v) {
   for (const at::Tensor* c : {&k_cache, &v_cache})
     TORCH_CHECK_VALUE(c->device().is_cpu() && c->dim() == 3 && c->is_contiguous() &&
-                          c->sizes() == k_cache.sizes() && c->scalar_type() == k_cache.scalar_type(),
+                          c->sizes() == k_cache.sizes() &&
+                          c->scalar_type() == k_cache.scalar_type(),
                       "caches: contiguous [Hkv, slots, D] on the CPU, one shape and dtype");
   const int64_t heads = k_cache.size(0), capacity = k_cache.size(1), d = k_cache.size(2);
   TORCH_CHECK_VALUE(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous(),
@@ -205,7 +206,8 @@ void write_kv_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots
   for (int64_t t = 0; t < tokens; ++t)
     TORCH_CHECK_INDEX(slot[t] >= 0 && slot[t] < capacity, "slot ", slot[t], " is outside the pool");
   const int64_t bytes = d * k_cache.element_size();
-  char* caches[2] = {static_cast<char*>(k_cache.data_ptr()), static_cast<char*>(v_cache.data_ptr())};
+  char* caches[2] = {static_cast<char*>(k_cache.data_ptr()),
+                     static_cast<char*>(v_cache.data_ptr())};
   const at::Tensor* rows[2] = {&k, &v};
   at::parallel_for(0, tokens, std::max<int64_t>(1, kGrainElements / (heads * d)),
                    [&](int64_t begin, int64_t end) {
@@ -333,7 +335,8 @@ TORCH_LIBRARY_FRAGMENT(radixserve, m) {
   m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(rms_norm));
   m.def("add_rms_norm(Tensor x, Tensor d, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.impl("add_rms_norm", c10::DispatchKey::CPU, TORCH_FN(add_rms_norm));
-  m.def("write_kv_(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor k, Tensor v) -> ()");
+  m.def("write_kv_(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor k, Tensor v) "
+        "-> ()");
   m.impl("write_kv_", c10::DispatchKey::CPU, TORCH_FN(write_kv_));
   m.def("argmax_rows(Tensor logits) -> Tensor");
   m.impl("argmax_rows", c10::DispatchKey::CPU, TORCH_FN(argmax_rows));
