@@ -56,6 +56,7 @@ from radixserve.model.gguf_file import GGUFFile
 from radixserve.model.loader import load_tokenizer
 
 LLAMA_CPP, RADIXSERVE = "llama.cpp", "radixserve"
+WORKLOADS = ("shared_prefix", "short")  # the server workloads, in the order they run
 CHILD_RESULT = "RESULT "  # prefix of the child's one JSON line on stdout
 MODEL_NAME = "bench"  # the name both servers answer to
 TEMPLATE_TOKENS = 64  # chat template tokens around a system prompt and a question, at most
@@ -221,6 +222,8 @@ def serve_round(system: System, args: argparse.Namespace, bank: WordBank, round_
             "short": (bank.text(rng, 8), args.short_requests),
         }
         for name, (system_prompt, count) in workloads.items():
+            if name not in args.workloads:
+                continue
             questions = bank.distinct_texts(rng, count, args.question_tokens)
             samples, wall = asyncio.run(run_level(server.url, MODEL_NAME, system_prompt,
                                                   questions, count, args.output_tokens))
@@ -330,6 +333,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--question-tokens", type=int, default=32, help="each user's own question")
     p.add_argument("--output-tokens", type=int, default=64, help="output tokens per request")
     p.add_argument("--skip-server", action="store_true", help="only llama-bench and LLM()")
+    p.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS),
+                   help="the server workloads to run (llama-server's shared_prefix takes most "
+                        "of a round: each of its slots prefills the prompt)")
     p.add_argument("--startup-only", action="store_true",
                    help="only each server's start to healthy (same context as a full run)")
     p.add_argument("--startup-timeout", type=float, default=600.0,
