@@ -86,9 +86,11 @@ RS_AVX2 inline void block_dots(const uint8_t* units, const int8_t* const* q, __m
   }
 }
 
-// Panel blocks ahead to prefetch: the hardware prefetcher alone lags when each line is worked
-// on this long.
-constexpr int64_t kAhead = 4;
+// Panel blocks ahead to prefetch, about 1.1 KB: the hardware prefetcher alone lags when each
+// line is worked on this long. Q8_0's blocks are twice Q4_x's (2 ahead measured 5% faster
+// than 4 at one row).
+template <Kind K>
+constexpr int64_t kAhead = K == Kind::q8s ? 2 : 4;
 
 // Activation rows [r0, r0 + R) against one panel: acc[(r - r0) * 16 + lane].
 template <Kind K, int R>
@@ -103,7 +105,8 @@ RS_AVX2 void tile(const uint8_t* panel, const QuantizedRows& a, int64_t r0, floa
   for (int64_t b = 0; b < a.blocks; ++b) {
     const uint8_t* block = panel + b * stride;
     for (int64_t line = 0; line < stride; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(block + kAhead * stride + line), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(block + kAhead<K> * stride + line),
+                   _MM_HINT_T0);
     __m256i dot[R][2];
     block_dots<K, R>(block + units_at, q, dot);
     for (int r = 0; r < R; ++r) q[r] += 32;
