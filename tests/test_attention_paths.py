@@ -199,3 +199,31 @@ def test_one_chooser_picks_each_role_by_setting_and_place():
         choose_backend("decode", "flash", cpu_f32)
     assert {b.role for b in BACKENDS} == {"decode", "prefill"}
     assert choose_attention(cpu_f32, "torch", "sdpa").name == "decode torch, prefill sdpa"
+
+
+def test_a_kernel_with_every_row_of_the_step_returns_them_and_otherwise_writes_its_rows():
+    from radixserve.layers.attention import LayerKV
+    from radixserve.layers.attention.paged_kernel import PagedDecodeKernel, PagedRows
+
+    env = _env(torch.float32)
+    if PagedDecodeKernel.unavailable(env):
+        pytest.skip("the attention kernel cannot be built here")
+    kernel = PagedDecodeKernel(env)
+    torch.manual_seed(0)
+    cache = LayerKV(torch.randn(2, 4096, 32), torch.randn(2, 4096, 32))
+    q = torch.randn(3, 6, 32)
+    every = PagedRows(0, 3, torch.arange(30, dtype=torch.int32), torch.tensor([0, 10, 20]),
+                      torch.tensor([10, 10, 10]))
+    whole = kernel.attend_all(q, q, q, cache, every)
+    out = torch.full_like(q, float("nan"))
+    kernel.forward(q, q, q, cache, every, out)
+    assert whole is not None and torch.equal(whole, out)
+    # Rows 1 and 2 of the step only: not all of it, so the step's buffer takes them.
+    some = PagedRows(1, 2, torch.arange(20, dtype=torch.int32), torch.tensor([0, 10]),
+                     torch.tensor([10, 10]))
+    assert kernel.attend_all(q, q, q, cache, some) is None
+    kernel.forward(q, q, q, cache, some, out)
+    alone = kernel.attend_all(q[1:], q, q, cache, PagedRows(0, 2, some.slots, some.begins,
+                                                            some.lengths))
+    assert torch.equal(out[1:], alone) and torch.equal(out[:1], whole[:1])  # row 0 untouched
+    assert not torch.equal(out[1:], whole[1:])  # the other contexts: other results

@@ -126,6 +126,14 @@ class AttentionBackend(ABC):
         q is [T, H, D] and k, v are [T, Hkv, D] for the whole step; the step's new K/V are
         already in `cache`."""
 
+    def attend_all(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKV,
+                   metadata: object) -> torch.Tensor | None:
+        """Where this backend's rows are all of the step's: their attention [T, H, D] as a
+        tensor of its own, sparing the step's output buffer and the copy into it (a decode
+        step makes both, per layer, between matmuls that leave the caches cold). None: use
+        `forward`."""
+        return None
+
 
 @dataclass(frozen=True)
 class StepPlan:
@@ -158,6 +166,12 @@ class StepAttention:
                 plan: StepPlan) -> torch.Tensor:
         """Stores the rows' K/V in the pool, then attends; returns [T, H, D]."""
         cache.write(plan.write_slots, k, v)
+        if (plan.decode is None) != (plan.prefill is None):  # one role has every row
+            backend, metadata = ((self.decode, plan.decode) if plan.decode is not None
+                                 else (self.prefill, plan.prefill))
+            whole = backend.attend_all(q, k, v, cache, metadata)
+            if whole is not None:
+                return whole
         out = torch.empty_like(q)
         if plan.decode is not None:
             self.decode.forward(q, k, v, cache, plan.decode, out)

@@ -91,8 +91,18 @@ class PagedKernel(AttentionBackend):
                 metadata: object, out: torch.Tensor) -> None:
         assert isinstance(metadata, PagedRows)
         rows = slice(metadata.first_row, metadata.first_row + metadata.rows)
-        out[rows] = self.op(q[rows].contiguous(), cache.k, cache.v, metadata.slots,
-                            metadata.begins, metadata.lengths, self.env.scale, self.max_path)
+        out[rows] = self._attend(q[rows], cache, metadata)
+
+    def attend_all(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKV,
+                   metadata: object) -> torch.Tensor | None:
+        assert isinstance(metadata, PagedRows)
+        if metadata.first_row != 0 or metadata.rows != q.shape[0]:
+            return None
+        return self._attend(q, cache, metadata)
+
+    def _attend(self, q: torch.Tensor, cache: LayerKV, metadata: PagedRows) -> torch.Tensor:
+        return self.op(q.contiguous(), cache.k, cache.v, metadata.slots, metadata.begins,
+                       metadata.lengths, self.env.scale, self.max_path)
 
 
 class PagedDecodeKernel(PagedKernel):
