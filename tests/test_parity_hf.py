@@ -58,7 +58,8 @@ def test_greedy_generation_matches_hf(llm, hf_model):
         with torch.inference_mode():
             logits = hf_model(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1:]
         reference = logits.argmax(dim=-1).tolist()
-        diverged = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), None)
+        diverged = next((i for i, (a, b) in enumerate(zip(tokens, reference, strict=True))
+                         if a != b), None)
         assert diverged is None, f"prompt of {len(prompt)} tokens diverged at token {diverged}"
 
 
