@@ -145,16 +145,13 @@ def sample(logits: torch.Tensor, rows: list[SampleRow],
     kernels = kernels or SamplerKernels()
     logits = _adjusted(logits.float(), rows, kernels.mask)
     tokens = [0] * len(rows)
-    greedy = [i for i, row in enumerate(rows) if row.params.greedy]
-    if greedy:
-        for i, token in zip(greedy, _argmax(_rows_of(logits, greedy), kernels.argmax),
-                            strict=True):
-            tokens[i] = token
-    drawn = [i for i, row in enumerate(rows) if not row.params.greedy]
-    if drawn:
-        for i, token in zip(drawn, _draw(_rows_of(logits, drawn), [rows[i] for i in drawn]),
-                            strict=True):
-            tokens[i] = token
+    picks = ((True, lambda x, _: _argmax(x, kernels.argmax)), (False, _draw))
+    for greedy, pick in picks:
+        at = [i for i, row in enumerate(rows) if row.params.greedy == greedy]
+        if at:
+            for i, token in zip(at, pick(_rows_of(logits, at), [rows[i] for i in at]),
+                                strict=True):
+                tokens[i] = token
     logprobs: list[tuple[float, dict[int, float]] | None] = [None] * len(rows)
     want = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
     if want:

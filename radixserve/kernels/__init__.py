@@ -113,6 +113,7 @@ def argmax_op() -> Callable[[torch.Tensor], torch.Tensor] | None:
     return torch.ops.radixserve.argmax_rows if _library() else None
 
 
+@functools.cache  # looked up by every layer of every step
 def kv_write_op() -> Callable[..., None] | None:
     """`torch.ops.radixserve.write_kv_` (layer_ops.cpp), None where the kernels cannot be
     built: (k_cache, v_cache [Hkv, S, D] contiguous, slots int64 [T], k, v [T, Hkv, D] in the

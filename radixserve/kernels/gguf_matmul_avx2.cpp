@@ -288,11 +288,40 @@ RS_AVX2 inline void q4k_sums_one(const uint8_t* block, const int8_t* q, const in
   }
 }
 
+// Q6_K's 6-bit values (0..63) of the four quads i = 0..3 whose low nibbles lie in ql units
+// a (i = 0, 2: low, high) and b (i = 1, 3) and whose top bits lie in qh unit hb (bits 2i, 2i+1
+// moved to bits 4-5).
+RS_AVX2 inline void q6k_quads(__m256i a, __m256i b, __m256i hb, __m256i* u) {
+  const __m256i low = _mm256_set1_epi8(0x0F), bits45 = _mm256_set1_epi8(0x30);
+  u[0] = _mm256_or_si256(_mm256_and_si256(a, low),
+                         _mm256_and_si256(_mm256_slli_epi16(hb, 4), bits45));
+  u[1] = _mm256_or_si256(_mm256_and_si256(b, low),
+                         _mm256_and_si256(_mm256_slli_epi16(hb, 2), bits45));
+  u[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), low),
+                         _mm256_and_si256(hb, bits45));
+  u[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), low),
+                         _mm256_and_si256(_mm256_srli_epi16(hb, 2), bits45));
+}
+
+// Q6_K's offset term of rows 8h..8h+7 for R activation rows: total[r] -= 32 * sum_g sc_g *
+// sums16_g (u - 32 is the signed weight).
+template <int R>
+RS_AVX2 inline void q6k_offset(const uint8_t* block, int h, const int16_t* const* sums16,
+                               __m256i* total) {
+  for (int p = 0; p < 8; ++p) {
+    const __m256i sc = paired_i8(block + kQ6kScales + 16 * (2 * p) + 8 * h,
+                                 block + kQ6kScales + 16 * (2 * p + 1) + 8 * h);
+    for (int r = 0; r < R; ++r)
+      total[r] = _mm256_sub_epi32(
+          total[r],
+          _mm256_slli_epi32(_mm256_madd_epi16(sc, broadcast_pair(sums16[r] + 2 * p)), 5));
+  }
+}
+
 // Q6_K: I of one superblock for rows 8h..8h+7 of the panel.
 template <int R>
 RS_AVX2 inline void q6k_sums(const uint8_t* block, int h, const int8_t* const* q,
                              const int16_t* const* sums16, __m256i* total) {
-  const __m256i low = _mm256_set1_epi8(0x0F), bits45 = _mm256_set1_epi8(0x30);
   const uint8_t* units = block + kQ6_K.units_at + 32 * h;
   for (int r = 0; r < R; ++r) total[r] = _mm256_setzero_si256();
   for (int half = 0; half < 2; ++half) {
@@ -304,14 +333,7 @@ RS_AVX2 inline void q6k_sums(const uint8_t* block, int h, const int8_t* const* q
         const __m256i a = load_unit(units, 16 * half + v), b = load_unit(units, 16 * half + 8 + v);
         const __m256i hb = load_unit(units, 32 + 8 * half + v);
         __m256i u[4];
-        u[0] = _mm256_or_si256(_mm256_and_si256(a, low),
-                               _mm256_and_si256(_mm256_slli_epi16(hb, 4), bits45));
-        u[1] = _mm256_or_si256(_mm256_and_si256(b, low),
-                               _mm256_and_si256(_mm256_slli_epi16(hb, 2), bits45));
-        u[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), low),
-                               _mm256_and_si256(hb, bits45));
-        u[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), low),
-                               _mm256_and_si256(_mm256_srli_epi16(hb, 2), bits45));
+        q6k_quads(a, b, hb, u);
         for (int r = 0; r < R; ++r)
           for (int i = 0; i < 4; ++i) {
             // Each pair sum (at most 2 * 63 * 127) is weighed by its group's scale at once.
@@ -322,13 +344,7 @@ RS_AVX2 inline void q6k_sums(const uint8_t* block, int h, const int8_t* const* q
       }
     }
   }
-  for (int p = 0; p < 8; ++p) {  // - 32 * sum_g sc_g * sums16_g
-    const __m256i sc = paired_i8(block + kQ6kScales + 16 * (2 * p) + 8 * h,
-                                 block + kQ6kScales + 16 * (2 * p + 1) + 8 * h);
-    for (int r = 0; r < R; ++r)
-      total[r] = _mm256_sub_epi32(
-          total[r], _mm256_slli_epi32(_mm256_madd_epi16(sc, broadcast_pair(sums16[r] + 2 * p)), 5));
-  }
+  q6k_offset<R>(block, h, sums16, total);
 }
 
 // Superblocks ahead to prefetch (4.7 KB for Q4_K; 4 or 8 measured no faster).
@@ -460,7 +476,6 @@ RS_AVX2 void tile_k(const uint8_t* panel, const QuantizedRows& a, int64_t r0, fl
 // vpmaddwd that weighs them by the group's scale, half the vpmaddwd (the multiply ports'
 // other tenant) of q6k_sums. The integers, and so the float steps and bits, are q6k_sums'.
 RS_AVX2 inline void q6k_unpack(const uint8_t* block, uint8_t* values) {
-  const __m256i low = _mm256_set1_epi8(0x0F), bits45 = _mm256_set1_epi8(0x30);
   const uint8_t* units = block + kQ6_K.units_at;
   for (int half = 0; half < 2; ++half)
     for (int v = 0; v < 8; ++v)
@@ -471,15 +486,8 @@ RS_AVX2 inline void q6k_unpack(const uint8_t* block, uint8_t* values) {
             reinterpret_cast<const __m256i*>(units + (16 * half + 8 + v) * kUnit + 32 * h));
         const __m256i hb = _mm256_loadu_si256(
             reinterpret_cast<const __m256i*>(units + (32 + 8 * half + v) * kUnit + 32 * h));
-        const __m256i u[4] = {
-            _mm256_or_si256(_mm256_and_si256(a, low),
-                            _mm256_and_si256(_mm256_slli_epi16(hb, 4), bits45)),
-            _mm256_or_si256(_mm256_and_si256(b, low),
-                            _mm256_and_si256(_mm256_slli_epi16(hb, 2), bits45)),
-            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), low),
-                            _mm256_and_si256(hb, bits45)),
-            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), low),
-                            _mm256_and_si256(_mm256_srli_epi16(hb, 2), bits45))};
+        __m256i u[4];
+        q6k_quads(a, b, hb, u);
         for (int i = 0; i < 4; ++i)
           _mm256_store_si256(
               reinterpret_cast<__m256i*>(values + (32 * half + 8 * i + v) * kUnit + 32 * h), u[i]);
@@ -517,14 +525,7 @@ RS_AVX2 inline void q6k_block_rows(const uint8_t* block, const uint8_t* values,
         }
       }
     }
-    for (int p = 0; p < 8; ++p) {  // - 32 * sum_g sc_g * sums16_g
-      const __m256i sc = paired_i8(block + kQ6kScales + 16 * (2 * p) + 8 * h,
-                                   block + kQ6kScales + 16 * (2 * p + 1) + 8 * h);
-      for (int r = 0; r < R; ++r)
-        total[r] = _mm256_sub_epi32(
-            total[r],
-            _mm256_slli_epi32(_mm256_madd_epi16(sc, broadcast_pair(sums16[r] + 2 * p)), 5));
-    }
+    q6k_offset<R>(block, h, sums16, total);
     const __m256 d =
         _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 16 * h)));
     for (int r = 0; r < R; ++r) {
