@@ -14,6 +14,7 @@ import torch
 from radixserve import LLM, SamplingParams
 from radixserve.engine.request import Request
 from radixserve.kernels import ATTENTION_PATHS, attention_path, paged_attention_op
+from radixserve.model.decoder_stack import DecoderStack
 from tests.conftest import cpu_flags
 
 OP = paged_attention_op()
@@ -228,21 +229,28 @@ def _prompts(llm: LLM) -> list[dict]:
     return prompts
 
 
-def test_engine_kernel_equals_torch_path(engines):
+def test_engine_kernel_equals_torch_path(engines, monkeypatch):
     kernel, torch_path = engines
     attention = kernel.engine.runner.attention
     assert (attention.decode.name, attention.prefill.name) == ("kernel", "kernel")
     reference = torch_path.engine.runner.attention
     assert (reference.decode.name, reference.prefill.name) == ("torch", "sdpa")
     prompts = _prompts(kernel)
-    calls = []
-    op = attention.decode.op
+    calls = []  # rows per call of the kernel: from Python, or a whole step in the C++ stack
+    op, run = attention.decode.op, DecoderStack.run
 
     def counted(*args):
         calls.append(args[0].shape[0])
         return op(*args)
 
+    def stacked(self, x, *args):
+        out = run(self, x, *args)
+        if out is not None:
+            calls.append(x.shape[0])
+        return out
+
     attention.decode.op = attention.prefill.op = counted
+    monkeypatch.setattr(DecoderStack, "run", stacked)
     try:
         got = [r.outputs[0].token_ids for r in kernel.generate(prompts, GREEDY)]
     finally:

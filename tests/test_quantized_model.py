@@ -13,6 +13,7 @@ import torch
 
 from radixserve import LLM, SamplingParams
 from radixserve.layers.linear import Linear
+from radixserve.model.decoder_stack import DecoderStack
 from radixserve.model.gguf_file import GGUFFile
 
 SETTINGS = dict(dtype="float32", kv_cache_tokens=4096, show_progress=False)
@@ -85,6 +86,39 @@ def test_greedy_output_agrees_with_the_dequantized_reference(quantized, referenc
         agreed, total = agreed + same, total + len(x)
     print(f"greedy tokens identical before the first divergence: {agreed} of {total}")
     assert agreed >= total // 2
+
+
+@pytest.mark.parametrize("which", ["quantized", "reference"])
+def test_the_decoder_stack_gives_the_python_layers_bits(which, request, monkeypatch):
+    # The layers as one C++ call per step (GGUF panels, or float panels for the reference)
+    # run the Python layers' kernels in their order: the same tokens and the same logprobs to
+    # the last bit, through decode-only steps and mixed ones (with a small token budget,
+    # prompts are prefilled in chunks beside the others' decode rows).
+    llm = request.getfixturevalue(which)
+    model = llm.engine.model
+    assert model.stack is not None
+    ran: list[tuple[bool, bool]] = []  # (the step mixed decode and prefill rows, the stack ran)
+    run = DecoderStack.run
+
+    def counted(self, x, rotary, batch, caches):
+        out = run(self, x, rotary, batch, caches)
+        plan = batch.attention_plan
+        ran.append((plan.decode is not None and plan.prefill is not None, out is not None))
+        return out
+
+    monkeypatch.setattr(DecoderStack, "run", counted)
+    monkeypatch.setattr(llm.engine.config, "max_num_batched_tokens", 24)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=3)
+
+    def generate() -> list[tuple[list[int], list]]:
+        llm.engine.cache.reset()  # each run computes every prompt token itself
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+    stacked = generate()
+    assert ran and all(done for _, done in ran) and any(mixed for mixed, _ in ran)
+    monkeypatch.setattr(model, "stack", None)
+    assert generate() == stacked
 
 
 def test_bfloat16_activations_run_on_the_same_blocks(model_path, quantized):

@@ -1,8 +1,9 @@
 """C++ kernels for the CPU, compiled on first use with the machine's own compiler: attention
 over the paged pool for decode and prefill rows (decode_attention.cpp), a decoder layer's
-small ops in one call each (layer_ops.cpp), bfloat16 matmuls of a few rows (skinny_matmul.cpp), float32 matmuls on 16-bit weights for CPUs without bfloat16
-dot products (skinny_float.cpp) and matmuls with GGUF-quantized weights (gguf_pack.cpp,
-gguf_matmul*.cpp), in one library.
+small ops in one call each (layer_ops.cpp), bfloat16 matmuls of a few rows
+(skinny_matmul.cpp), float32 matmuls on 16-bit weights for CPUs without bfloat16 dot products
+(skinny_float.cpp), matmuls with GGUF-quantized weights (gguf_pack.cpp, gguf_matmul*.cpp) and
+a model's decoder layers run by one call of those kernels (decoder_stack.cpp), in one library.
 
 Each has a PyTorch fallback: when no compiler (or ninja) is at hand the loader returns None,
 logs why once, and the engine keeps its PyTorch paths. The build lands under the radixserve
@@ -31,7 +32,7 @@ log = logging.getLogger(__name__)
 _SOURCES = [Path(__file__).with_name(name)
             for name in ("decode_attention.cpp", "skinny_matmul.cpp", "gguf_pack.cpp",
                          "gguf_matmul.cpp", "gguf_matmul_avx2.cpp", "gguf_matmul_avx512.cpp",
-                         "skinny_float.cpp", "layer_ops.cpp")]
+                         "skinny_float.cpp", "layer_ops.cpp", "decoder_stack.cpp")]
 _HEADERS = [Path(__file__).with_name(name) for name in ("vector.h", "gguf_blocks.h")]
 
 
@@ -91,6 +92,17 @@ class LayerOps:
         """Rotates heads [0, heads) of qkv [T, all heads, D] (contiguous) in place, "rotate
         half" style; cos and sin are float32 [T, D / 2]."""
         torch.ops.radixserve.rotary_embedding_(qkv, cos, sin, heads)
+
+
+def decoder_stack(heads: int, kv_heads: int, head_dim: int, eps: float,
+                  scale: float) -> torch.ScriptObject | None:
+    """An empty `torch.classes.radixserve.DecoderStack` (decoder_stack.cpp), None where the
+    kernels cannot be built: a model's decoder layers run by one call, `forward(x, cos, sin,
+    k_caches, v_caches, write_slots, slots, begins, lengths, attention_path)`, after
+    `add_projection` (qkv, o, gate_up, down) and `add_norms` for each layer."""
+    if not _library():
+        return None
+    return torch.classes.radixserve.DecoderStack(heads, kv_heads, head_dim, eps, scale)
 
 
 @functools.cache

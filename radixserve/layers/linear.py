@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -25,6 +26,22 @@ from radixserve.kernels.cpu import has_fast_bf16
 
 if TYPE_CHECKING:
     from radixserve.layers.quantized import PackedParts, QuantizedWeight
+
+
+@dataclass(frozen=True)
+class NativeProjection:
+    """How C++ runs a layer's projection with the arithmetic its method's `apply` has (for the
+    decoder stack, radixserve/kernels/decoder_stack.cpp): `kind` 0 is GGUF parts (`panels`,
+    `types`, `rows`: gguf_linear's arguments), 1 float panels (skinny_float_linear's, with a
+    float32 bias)."""
+
+    kind: int
+    out_features: int
+    panels: list[torch.Tensor] = field(default_factory=list)
+    types: list[int] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
+    bias: torch.Tensor | None = None
+    max_path: int = 0
 
 
 class LinearMethod(ABC):
@@ -45,6 +62,11 @@ class LinearMethod(ABC):
     @abstractmethod
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in_features] -> [rows, out_features]."""
+
+    def native(self, layer: Linear) -> NativeProjection | None:
+        """`apply`'s arithmetic for C++ to run, whatever the rows; None where only `apply`
+        can run this layer (the model then keeps its Python layers)."""
+        return None
 
 
 class DenseLinear(LinearMethod):
@@ -145,6 +167,13 @@ class SkinnyFloatLinear(LinearMethod):
         rows = x.reshape(-1, layer.in_features).float().contiguous()
         out = self.ops.linear(rows, layer.panels, layer.out_features, bias, self.max_path)
         return out.reshape(*x.shape[:-1], layer.out_features).to(x.dtype)
+
+    def native(self, layer: Linear) -> NativeProjection | None:
+        if layer.panels is None:
+            return None
+        bias = None if layer.bias is None else layer.bias.float()
+        return NativeProjection(1, layer.out_features, panels=[layer.panels], bias=bias,
+                                max_path=self.max_path)
 
 
 def narrowest_exact_dtype(weight: torch.Tensor) -> torch.dtype:

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from radixserve.kernels import GGUFOps, gguf_ops
-from radixserve.layers.linear import Linear, LinearMethod
+from radixserve.layers.linear import Linear, LinearMethod, NativeProjection
 
 # GGUF formats the kernel executes, by name: their GGML type ids.
 EXECUTED_TYPES: dict[str, int] = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
@@ -141,6 +141,13 @@ class QuantizedLinear(LinearMethod):
             return self.dense.apply(layer, x)
         return self.ops.linear(x.contiguous(), packed.panels, packed.types, packed.rows,
                                layer.bias, self.max_path)
+
+    def native(self, layer: Linear) -> NativeProjection | None:
+        packed = layer.packed
+        if packed is None:
+            return self.dense.native(layer)
+        return NativeProjection(0, layer.out_features, panels=packed.panels, types=packed.types,
+                                rows=packed.rows, bias=layer.bias, max_path=self.max_path)
 
 
 class QuantizedEmbedding(nn.Module):

@@ -5,7 +5,9 @@ others, flattened into one token axis (no padding of the projections or the MLP)
 know nothing of scheduling, kernels or quantization: attention is the step's attention
 backend (`batch.attention`, planned once per step by the runner), projections are `Linear`
 layers whose method decides how they run, and the norms and the rotary embedding use the
-fused `LayerOps` the engine passes in where it runs them (PyTorch's ops otherwise).
+fused `LayerOps` the engine passes in where it runs them (PyTorch's ops otherwise). Where every
+part of a layer has a C++ form, a step's layers run as one C++ call of the same kernels
+(`DecoderStack`), with the same bits.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from radixserve.layers.quantized import (
     QuantizedWeight,
 )
 from radixserve.model.config import ModelConfig
+from radixserve.model.decoder_stack import DecoderStack
 
 if TYPE_CHECKING:
     from radixserve.kernels import LayerOps
@@ -209,6 +212,10 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, False, linear)
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        self.ops = ops
+        # The layers as one C++ call per step, built once the weights are loaded (None: the
+        # Python layers run every step; see radixserve/model/decoder_stack.py).
+        self.stack: DecoderStack | None = None
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, caches: list[LayerKV]) -> torch.Tensor:
@@ -228,6 +235,10 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(batch.input_ids)
         angles = batch.positions.to(self.inv_freq.dtype).unsqueeze(-1) * self.inv_freq
         rotary = Rotary(angles.cos(), angles.sin())  # [T, D / 2] each
+        if self.stack is not None:
+            hidden = self.stack.run(x, rotary, batch, caches)
+            if hidden is not None:
+                return hidden
         residual, h = x, None
         for i, layer in enumerate(self.layers):
             # Each norm takes the residual add before it (the previous block's output).
@@ -284,6 +295,7 @@ class LlamaModel(nn.Module):
             # The head was repacked into panels (skinny-float): read the table from them
             # rather than hold it twice.
             self.embed_tokens = PanelEmbedding(self.lm_head, dtype)
+        self.stack = DecoderStack.build(self, dtype)
 
     def weight_formats(self) -> dict[str, int]:
         """Bytes of weights held, by format: GGUF panels by type (a table shared by the

@@ -24,7 +24,14 @@ import numpy as np
 import torch
 
 from radixserve.kernels import ATTENTION_PATHS, paged_attention_op
-from radixserve.layers.attention.base import AttentionBackend, AttentionEnv, LayerKV, SequenceSpan
+from radixserve.layers.attention.base import (
+    AttentionBackend,
+    AttentionEnv,
+    LayerKV,
+    SequenceSpan,
+    StepAttention,
+    StepPlan,
+)
 
 
 @dataclass(frozen=True)
@@ -113,3 +120,29 @@ class PagedDecodeKernel(PagedKernel):
 class PagedPrefillKernel(PagedKernel):
     name = "kernel"
     role = "prefill"
+
+
+def whole_step_rows(attention: StepAttention, plan: StepPlan) -> tuple[PagedRows, int] | None:
+    """Every row of a step as one call of the kernel, and the path cap to run it at, where
+    each role that has rows runs on the kernel at one cap; None otherwise. A row's result
+    does not depend on the rows beside it, so this is the roles' arithmetic, bit for bit."""
+    parts = [(backend, rows) for backend, rows in ((attention.decode, plan.decode),
+                                                   (attention.prefill, plan.prefill))
+             if rows is not None]
+    if not parts or not all(isinstance(backend, PagedKernel) for backend, _ in parts):
+        return None
+    caps = {backend.max_path for backend, _ in parts}  # type: ignore[attr-defined]
+    if len(caps) != 1:
+        return None
+    if len(parts) == 1:
+        return parts[0][1], caps.pop()  # type: ignore[return-value]
+    decode, prefill = (rows for _, rows in parts)
+    assert isinstance(decode, PagedRows) and isinstance(prefill, PagedRows)
+    assert decode.first_row == 0 and prefill.first_row == decode.rows
+    return PagedRows(
+        first_row=0,
+        rows=decode.rows + prefill.rows,
+        slots=torch.cat((decode.slots, prefill.slots)),
+        begins=torch.cat((decode.begins, prefill.begins + decode.slots.numel())),
+        lengths=torch.cat((decode.lengths, prefill.lengths)),
+    ), caps.pop()

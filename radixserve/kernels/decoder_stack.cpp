@@ -1,0 +1,184 @@
+// A model's decoder layers run by one call per step: the same kernels the Python layers call
+// (the GGUF or float matmuls, layer_ops.cpp's norms, rotation and K/V write, the paged
+// attention), in the same order on the same tensors, so the result has the same bits; only
+// the Python between them goes.
+//
+// Why: a decode step's matmuls stream the weights, and every small call between them then
+// starts with cold caches. Measured on a 2-core AVX2 machine, a 576-float op right after a
+// large one costs 50-120 us instead of 4-7 us, and a Llama layer makes about twenty calls
+// through Python and the dispatcher between its four matmuls. SmolLM2-135M decoded at 11.1
+// ms/token, 8.7 GB/s of weights, against llama.cpp's 7.1 on the same file.
+//
+// The other kernels are reached through the dispatcher (one typed handle each, looked up once),
+// so each file keeps its kernels to itself.
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/add.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <string>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+// How a projection runs: the methods of radixserve/layers/linear.py and quantized.py.
+enum class Kind : int64_t { kGGUF = 0, kFloatPanels = 1 };
+
+struct Projection {
+  Kind kind;
+  std::vector<at::Tensor> panels;  // GGUF parts, or one tensor of float panels
+  std::vector<int64_t> types, rows;
+  c10::optional<at::Tensor> bias;  // float32 for float panels (as the Python method passes it)
+  int64_t out_features;
+  int64_t max_path;
+};
+
+template <typename Signature>
+c10::TypedOperatorHandle<Signature> op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
+class DecoderStack : public torch::CustomClassHolder {
+ public:
+  DecoderStack(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale)
+      : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale),
+        gguf_linear_(op<at::Tensor(const at::Tensor&, at::TensorList, at::IntArrayRef,
+                                   at::IntArrayRef, const c10::optional<at::Tensor>&, int64_t)>(
+            "radixserve::gguf_linear")),
+        float_linear_(op<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t,
+                                    const c10::optional<at::Tensor>&, int64_t)>(
+            "radixserve::skinny_float_linear")),
+        rms_norm_(op<at::Tensor(const at::Tensor&, const at::Tensor&, double)>(
+            "radixserve::rms_norm")),
+        add_rms_norm_(op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                             const at::Tensor&, double)>(
+            "radixserve::add_rms_norm")),
+        silu_mul_(op<at::Tensor(const at::Tensor&)>("radixserve::silu_mul")),
+        rotary_(op<void(at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t)>(
+            "radixserve::rotary_embedding_")),
+        write_kv_(op<void(at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&,
+                          const at::Tensor&)>("radixserve::write_kv_")),
+        attention_(op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                 const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
+                                 int64_t)>("radixserve::paged_attention")) {
+    TORCH_CHECK_VALUE(heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && head_dim % 2 == 0,
+                      "heads must be a multiple of kv_heads, head_dim even");
+  }
+
+  // Appends a projection; a layer is four, in order: qkv, o, gate_up, down.
+  void add_projection(int64_t kind, std::vector<at::Tensor> panels, std::vector<int64_t> types,
+                      std::vector<int64_t> rows, c10::optional<at::Tensor> bias,
+                      int64_t out_features, int64_t max_path) {
+    TORCH_CHECK_VALUE(kind == 0 || kind == 1, "projection kind ", kind, " is unknown");
+    Projection p{static_cast<Kind>(kind), std::move(panels), std::move(types), std::move(rows),
+                 std::move(bias), out_features, max_path};
+    if (p.kind == Kind::kGGUF)
+      TORCH_CHECK_VALUE(!p.panels.empty() && p.panels.size() == p.types.size() &&
+                            p.panels.size() == p.rows.size(),
+                        "a GGUF projection needs panels, types and rows per part");
+    if (p.kind == Kind::kFloatPanels)
+      TORCH_CHECK_VALUE(p.panels.size() == 1, "a float projection has one tensor of panels");
+    projections_.push_back(std::move(p));
+  }
+
+  // Appends a layer's two norm weights, after its four projections.
+  void add_norms(at::Tensor input_norm, at::Tensor post_norm) {
+    norms_.emplace_back(std::move(input_norm), std::move(post_norm));
+    TORCH_CHECK_VALUE(projections_.size() == 4 * norms_.size(),
+                      "a layer's four projections come before its norms");
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(norms_.size()); }
+
+  // The decoder layers over the step's embedded tokens x [T, hidden]: returns the last layer's
+  // output before the final norm (LlamaModel.hidden_states). Row t's new K/V go to slot
+  // write_slots[t] of each layer's caches, and row t attends to slots[begins[t] : begins[t] +
+  // lengths[t]] (paged_attention's arguments, for every row of the step).
+  at::Tensor forward(at::Tensor x, at::Tensor cos, at::Tensor sin,
+                     std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches,
+                     at::Tensor write_slots, at::Tensor slots, at::Tensor begins,
+                     at::Tensor lengths, int64_t attention_path) {
+    const int64_t layers = num_layers();
+    TORCH_CHECK_VALUE(static_cast<int64_t>(k_caches.size()) == layers &&
+                          static_cast<int64_t>(v_caches.size()) == layers,
+                      "one K and one V cache per layer (", layers, ")");
+    TORCH_CHECK_VALUE(x.dim() == 2, "x: [T, hidden]");
+    const int64_t tokens = x.size(0);
+    at::Tensor residual = x, h;
+    for (int64_t i = 0; i < layers; ++i) {
+      const auto& [input_norm, post_norm] = norms_[i];
+      const Projection* p = &projections_[4 * i];
+      at::Tensor normed;
+      if (h.defined())
+        std::tie(residual, normed) = add_rms_norm_.call(residual, h, input_norm, eps_);
+      else
+        normed = rms_norm_.call(residual.contiguous(), input_norm, eps_);
+
+      at::Tensor qkv = project(p[0], normed).view({tokens, -1, head_dim_}).contiguous();
+      rotary_.call(qkv, cos, sin, heads_ + kv_heads_);
+      write_kv_.call(k_caches[i], v_caches[i], write_slots, qkv.narrow(1, heads_, kv_heads_),
+                     qkv.narrow(1, heads_ + kv_heads_, kv_heads_));
+      at::Tensor attended = attention_.call(qkv.narrow(1, 0, heads_).contiguous(), k_caches[i],
+                                            v_caches[i], slots, begins, lengths, scale_,
+                                            attention_path);
+      h = project(p[1], attended.view({tokens, -1}));
+
+      std::tie(residual, normed) = add_rms_norm_.call(residual, h, post_norm, eps_);
+      h = project(p[3], silu_mul_.call(project(p[2], normed)));
+    }
+    return h.defined() ? at::add(residual, h) : residual;
+  }
+
+ private:
+  at::Tensor project(const Projection& p, const at::Tensor& x) const {
+    switch (p.kind) {
+      case Kind::kGGUF:
+        return gguf_linear_.call(x.contiguous(), p.panels, p.types, p.rows, p.bias, p.max_path);
+      case Kind::kFloatPanels:
+        return float_linear_
+            .call(x.to(at::kFloat).contiguous(), p.panels[0], p.out_features, p.bias, p.max_path)
+            .to(x.scalar_type());
+    }
+    TORCH_CHECK(false, "unreachable");
+  }
+
+  int64_t heads_, kv_heads_, head_dim_;
+  double eps_, scale_;
+  std::vector<Projection> projections_;
+  std::vector<std::tuple<at::Tensor, at::Tensor>> norms_;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, at::TensorList, at::IntArrayRef,
+                                      at::IntArrayRef, const c10::optional<at::Tensor>&, int64_t)>
+      gguf_linear_;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t,
+                                      const c10::optional<at::Tensor>&, int64_t)>
+      float_linear_;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, double)> rms_norm_;
+  c10::TypedOperatorHandle<std::tuple<at::Tensor, at::Tensor>(
+      const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>
+      add_rms_norm_;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&)> silu_mul_;
+  c10::TypedOperatorHandle<void(at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t)>
+      rotary_;
+  c10::TypedOperatorHandle<void(at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                const at::Tensor&)>
+      write_kv_;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                      const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                      double, int64_t)>
+      attention_;
+};
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(radixserve, m) {
+  m.class_<DecoderStack>("DecoderStack")
+      .def(torch::init<int64_t, int64_t, int64_t, double, double>())
+      .def("add_projection", &DecoderStack::add_projection)
+      .def("add_norms", &DecoderStack::add_norms)
+      .def("num_layers", &DecoderStack::num_layers)
+      .def("forward", &DecoderStack::forward);
+}
