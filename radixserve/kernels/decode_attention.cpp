@@ -439,6 +439,7 @@ inline int best_path() {
 }
 
 constexpr int64_t kTileRows = 8;
+constexpr int64_t kSerialKeys = 1024;  // below this many keys read, one thread does a call
 
 // Rows are cut into tiles: runs of up to kTileRows consecutive rows whose contexts start at
 // the same slot (one prefill chunk's rows; decode rows on one cached prefix). Work items are (kv head,
@@ -475,11 +476,14 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   tiles.push_back(rows);
   const int64_t num_tiles = static_cast<int64_t>(cost.size());
   const int64_t items = kv_heads * num_tiles;  // item i: kv head i / num_tiles, tile i % num_tiles
-  const int64_t parts = std::min<int64_t>(at::get_num_threads(), items);
-  std::vector<int64_t> edges(parts + 1, items);
-  edges[0] = 0;
   int64_t total = 0;
   for (int64_t c : cost) total += c * kv_heads;
+  // Short contexts stay on the calling thread (at::parallel_for runs one part inline): waking
+  // the others costs more than their share of a few hundred keys.
+  const int64_t parts =
+      total < kSerialKeys ? 1 : std::min<int64_t>(at::get_num_threads(), items);
+  std::vector<int64_t> edges(parts + 1, items);
+  edges[0] = 0;
   for (int64_t i = 0, part = 1, done = 0; i < items && part < parts; ++i) {
     done += cost[i % num_tiles];
     while (part < parts && done * parts >= total * part) edges[part++] = i + 1;
