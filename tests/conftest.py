@@ -24,15 +24,28 @@ def model_path() -> Path:
     return default_model_path()
 
 
+def load_hf_gguf(folder: Path, name: str):
+    """HF transformers' model of the GGUF file folder/name, dequantized to float32."""
+    import functools
+
+    import gguf
+    import transformers
+
+    with pytest.MonkeyPatch.context() as patch:
+        # HF's GGUF loader builds gguf's tensor-name table once per submodule (397 times for
+        # the default model, 12 of its 16 s); the table depends only on its arguments.
+        patch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(folder), gguf_file=name, dtype=torch.float32)
+    return model.eval()
+
+
 @pytest.fixture(scope="session")
 def hf_model(model_path: Path):
     """The oracle: HF transformers' Llama on the same GGUF weights, dequantized to float32
-    (about 30 s to load on two cores: once per session, shared by the modules that need it)."""
-    transformers = pytest.importorskip("transformers")
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(model_path.parent), gguf_file=model_path.name, dtype=torch.float32
-    )
-    return model.eval()
+    (once per session, shared by the modules that need it)."""
+    pytest.importorskip("transformers")
+    return load_hf_gguf(model_path.parent, model_path.name)
 
 
 # Settings for a small, quiet engine: tests keep pools small and outputs short.

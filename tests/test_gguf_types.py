@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from radixserve import LLM
+from tests.conftest import load_hf_gguf
 
 gguf = pytest.importorskip("gguf")
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 
 Q = gguf.GGMLQuantizationType
 HIDDEN, FFN, HEADS, KV_HEADS, LAYERS = 256, 512, 4, 2, 2
@@ -131,9 +132,7 @@ def tiny(tmp_path_factory, model_path):
 def test_quantized_gguf_matches_hf(tiny):
     llm = LLM(str(tiny), dtype="float32", kv_cache_tokens=1024, show_progress=False,
               quantization="none")  # the reference path: every tensor dequantized to float32
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        str(tiny.parent / "hf"), gguf_file=tiny.name, dtype=torch.float32
-    ).eval()
+    hf = load_hf_gguf(tiny.parent / "hf", tiny.name)
     assert hf.config.vocab_size == llm.engine.model.config.vocab_size
     generator = torch.Generator().manual_seed(0)
     for length in (5, 60):
