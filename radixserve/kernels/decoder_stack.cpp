@@ -108,7 +108,7 @@ class DecoderStack : public torch::CustomClassHolder {
                       "one K and one V cache per layer (", layers, ")");
     TORCH_CHECK_VALUE(x.dim() == 2, "x: [T, hidden]");
     const int64_t tokens = x.size(0);
-    at::Tensor residual = x, h;
+    at::Tensor residual = x.contiguous(), h;
     for (int64_t i = 0; i < layers; ++i) {
       const auto& [input_norm, post_norm] = norms_[i];
       const Projection* p = &projections_[4 * i];
@@ -116,7 +116,7 @@ class DecoderStack : public torch::CustomClassHolder {
       if (h.defined())
         std::tie(residual, normed) = add_rms_norm_.call(residual, h, input_norm, eps_);
       else
-        normed = rms_norm_.call(residual.contiguous(), input_norm, eps_);
+        normed = rms_norm_.call(residual, input_norm, eps_);
 
       at::Tensor qkv = project(p[0], normed).view({tokens, -1, head_dim_}).contiguous();
       rotary_.call(qkv, cos, sin, heads_ + kv_heads_);

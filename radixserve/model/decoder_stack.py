@@ -28,7 +28,8 @@ STACK_DTYPES = (torch.float32, torch.bfloat16)  # what the layer ops compute
 
 @dataclass(frozen=True)
 class DecoderStack:
-    """The C++ stack of a loaded model, and the dtype it runs in."""
+    """The C++ stack of a loaded model, and the dtype it runs in. It holds the weights and
+    each projection's path cap as they were at load (nothing changes them after)."""
 
     stack: torch.ScriptObject
     dtype: torch.dtype
@@ -38,7 +39,7 @@ class DecoderStack:
         """The model's layers as a C++ stack, or None where some part has no C++ form (the
         model then runs its Python layers)."""
         cfg = model.config
-        if model.ops is None or dtype not in STACK_DTYPES or model.norm.weight.device.type != "cpu":
+        if model.ops is None or dtype not in STACK_DTYPES:  # (the engine gives ops to CPUs)
             return None
         stack = decoder_stack(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
                               cfg.head_dim**-0.5)
@@ -63,7 +64,8 @@ class DecoderStack:
         norm), its K/V written to `caches`; None where this step's attention is not all on
         the paged kernel, or the pool is not in the model's dtype (run the Python layers)."""
         whole = whole_step_rows(batch.attention, batch.attention_plan)
-        if whole is None or x.dtype != self.dtype or caches[0].k.dtype != self.dtype:
+        if (whole is None or not x.is_cpu or x.dtype != self.dtype
+                or caches[0].k.dtype != self.dtype):
             return None
         rows, path = whole
         return self.stack.forward(x, rotary.cos, rotary.sin, [c.k for c in caches],
