@@ -37,6 +37,20 @@ struct Projection {
   int64_t max_path;
 };
 
+// The signatures of the ops the stack calls, as registered.
+using Tensor = at::Tensor;
+using OptionalTensor = c10::optional<at::Tensor>;
+using GGUFLinear = Tensor(const Tensor&, at::TensorList, at::IntArrayRef, at::IntArrayRef,
+                          const OptionalTensor&, int64_t);
+using FloatLinear = Tensor(const Tensor&, const Tensor&, int64_t, const OptionalTensor&, int64_t);
+using RMSNorm = Tensor(const Tensor&, const Tensor&, double);
+using AddRMSNorm = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, double);
+using SiluMul = Tensor(const Tensor&);
+using Rotary = void(Tensor&, const Tensor&, const Tensor&, int64_t);
+using WriteKV = void(Tensor&, Tensor&, const Tensor&, const Tensor&, const Tensor&);
+using Attention = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                         const Tensor&, const Tensor&, double, int64_t);
+
 template <typename Signature>
 c10::TypedOperatorHandle<Signature> op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
@@ -46,25 +60,14 @@ class DecoderStack : public torch::CustomClassHolder {
  public:
   DecoderStack(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale)
       : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale),
-        gguf_linear_(op<at::Tensor(const at::Tensor&, at::TensorList, at::IntArrayRef,
-                                   at::IntArrayRef, const c10::optional<at::Tensor>&, int64_t)>(
-            "radixserve::gguf_linear")),
-        float_linear_(op<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t,
-                                    const c10::optional<at::Tensor>&, int64_t)>(
-            "radixserve::skinny_float_linear")),
-        rms_norm_(op<at::Tensor(const at::Tensor&, const at::Tensor&, double)>(
-            "radixserve::rms_norm")),
-        add_rms_norm_(op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
-                                                             const at::Tensor&, double)>(
-            "radixserve::add_rms_norm")),
-        silu_mul_(op<at::Tensor(const at::Tensor&)>("radixserve::silu_mul")),
-        rotary_(op<void(at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t)>(
-            "radixserve::rotary_embedding_")),
-        write_kv_(op<void(at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&,
-                          const at::Tensor&)>("radixserve::write_kv_")),
-        attention_(op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                 const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
-                                 int64_t)>("radixserve::paged_attention")) {
+        gguf_linear_(op<GGUFLinear>("radixserve::gguf_linear")),
+        float_linear_(op<FloatLinear>("radixserve::skinny_float_linear")),
+        rms_norm_(op<RMSNorm>("radixserve::rms_norm")),
+        add_rms_norm_(op<AddRMSNorm>("radixserve::add_rms_norm")),
+        silu_mul_(op<SiluMul>("radixserve::silu_mul")),
+        rotary_(op<Rotary>("radixserve::rotary_embedding_")),
+        write_kv_(op<WriteKV>("radixserve::write_kv_")),
+        attention_(op<Attention>("radixserve::paged_attention")) {
     TORCH_CHECK_VALUE(heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && head_dim % 2 == 0,
                       "heads must be a multiple of kv_heads, head_dim even");
   }
@@ -150,26 +153,14 @@ class DecoderStack : public torch::CustomClassHolder {
   double eps_, scale_;
   std::vector<Projection> projections_;
   std::vector<std::tuple<at::Tensor, at::Tensor>> norms_;
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, at::TensorList, at::IntArrayRef,
-                                      at::IntArrayRef, const c10::optional<at::Tensor>&, int64_t)>
-      gguf_linear_;
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t,
-                                      const c10::optional<at::Tensor>&, int64_t)>
-      float_linear_;
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, double)> rms_norm_;
-  c10::TypedOperatorHandle<std::tuple<at::Tensor, at::Tensor>(
-      const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>
-      add_rms_norm_;
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&)> silu_mul_;
-  c10::TypedOperatorHandle<void(at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t)>
-      rotary_;
-  c10::TypedOperatorHandle<void(at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                const at::Tensor&)>
-      write_kv_;
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                      const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                      double, int64_t)>
-      attention_;
+  c10::TypedOperatorHandle<GGUFLinear> gguf_linear_;
+  c10::TypedOperatorHandle<FloatLinear> float_linear_;
+  c10::TypedOperatorHandle<RMSNorm> rms_norm_;
+  c10::TypedOperatorHandle<AddRMSNorm> add_rms_norm_;
+  c10::TypedOperatorHandle<SiluMul> silu_mul_;
+  c10::TypedOperatorHandle<Rotary> rotary_;
+  c10::TypedOperatorHandle<WriteKV> write_kv_;
+  c10::TypedOperatorHandle<Attention> attention_;
 };
 
 }  // namespace

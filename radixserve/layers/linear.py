@@ -31,9 +31,12 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class NativeProjection:
     """How C++ runs a layer's projection with the arithmetic its method's `apply` has (for the
-    decoder stack, radixserve/kernels/decoder_stack.cpp): `kind` 0 is GGUF parts (`panels`,
-    `types`, `rows`: gguf_linear's arguments), 1 float panels (skinny_float_linear's, with a
-    float32 bias)."""
+    decoder stack, radixserve/kernels/decoder_stack.cpp): `kind` GGUF_PARTS is gguf_linear's
+    arguments (`panels`, `types`, `rows`), FLOAT_PANELS skinny_float_linear's (one tensor of
+    panels, a float32 bias)."""
+
+    GGUF_PARTS: ClassVar[int] = 0  # the C++ side's Kind values
+    FLOAT_PANELS: ClassVar[int] = 1
 
     kind: int
     out_features: int
@@ -172,7 +175,8 @@ class SkinnyFloatLinear(LinearMethod):
         if layer.panels is None:
             return None
         bias = None if layer.bias is None else layer.bias.float()
-        return NativeProjection(1, layer.out_features, panels=[layer.panels], bias=bias,
+        return NativeProjection(NativeProjection.FLOAT_PANELS, layer.out_features,
+                                panels=[layer.panels], bias=bias,
                                 max_path=self.max_path)
 
 

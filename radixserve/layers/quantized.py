@@ -146,8 +146,9 @@ class QuantizedLinear(LinearMethod):
         packed = layer.packed
         if packed is None:
             return self.dense.native(layer)
-        return NativeProjection(0, layer.out_features, panels=packed.panels, types=packed.types,
-                                rows=packed.rows, bias=layer.bias, max_path=self.max_path)
+        return NativeProjection(NativeProjection.GGUF_PARTS, layer.out_features,
+                                panels=packed.panels, types=packed.types, rows=packed.rows,
+                                bias=layer.bias, max_path=self.max_path)
 
 
 class QuantizedEmbedding(nn.Module):

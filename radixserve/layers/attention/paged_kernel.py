@@ -129,15 +129,14 @@ def whole_step_rows(attention: StepAttention, plan: StepPlan) -> tuple[PagedRows
     parts = [(backend, rows) for backend, rows in ((attention.decode, plan.decode),
                                                    (attention.prefill, plan.prefill))
              if rows is not None]
-    if not parts or not all(isinstance(backend, PagedKernel) for backend, _ in parts):
+    kernels = [backend for backend, _ in parts if isinstance(backend, PagedKernel)]
+    if not parts or len(kernels) != len(parts) or len({k.max_path for k in kernels}) != 1:
         return None
-    caps = {backend.max_path for backend, _ in parts}  # type: ignore[attr-defined]
-    if len(caps) != 1:
-        return None
-    if len(parts) == 1:
-        return parts[0][1], caps.pop()  # type: ignore[return-value]
-    decode, prefill = (rows for _, rows in parts)
-    assert isinstance(decode, PagedRows) and isinstance(prefill, PagedRows)
+    rows = [r for _, r in parts if isinstance(r, PagedRows)]
+    assert len(rows) == len(parts), "a kernel's plan is PagedRows"
+    if len(rows) == 1:
+        return rows[0], kernels[0].max_path
+    decode, prefill = rows
     assert decode.first_row == 0 and prefill.first_row == decode.rows
     return PagedRows(
         first_row=0,
@@ -145,4 +144,4 @@ def whole_step_rows(attention: StepAttention, plan: StepPlan) -> tuple[PagedRows
         slots=torch.cat((decode.slots, prefill.slots)),
         begins=torch.cat((decode.begins, prefill.begins + decode.slots.numel())),
         lengths=torch.cat((decode.lengths, prefill.lengths)),
-    ), caps.pop()
+    ), kernels[0].max_path
