@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import torch
 
 from radixserve.cache import RadixCache
 from radixserve.config import EngineConfig
@@ -242,10 +241,9 @@ def main() -> None:
     parser.add_argument("--num-threads", type=int, default=2)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    torch.set_num_threads(args.num_threads)
-    engine = LLMEngine(EngineConfig(kv_cache_tokens=args.kv_cache_tokens, show_progress=False,
-                                    num_threads=args.num_threads))
-    aengine = AsyncEngine(engine)
+    aengine = AsyncEngine(lambda: LLMEngine(EngineConfig(
+        kv_cache_tokens=args.kv_cache_tokens, show_progress=False, num_threads=args.num_threads)))
+    engine = aengine.engine
     try:
         print("GET /v1/cache/stats, median of", args.repeat, "calls:", flush=True)
         endpoint = bench_endpoint(engine, aengine, [int(s) for s in args.sizes.split(",")],

@@ -5,18 +5,25 @@ blocks; pins outlive a restart and expire on schedule; an aborted load frees eve
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import random
 import threading
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from radixserve import LLM, SamplingParams
 from radixserve.config import EngineConfig
 from radixserve.engine.engine import LLMEngine
+from radixserve.engine.kv_offload import KVOffload
+from radixserve.engine.kv_pool import KVPool
+from radixserve.kv_tier.store import TierStore
 from radixserve.server.accounting import OffsetClock
+from tests.test_kv_tier_store import FINGERPRINT
 from tests.test_kv_tier_store import _run as run_command
 from tests.test_prefix_cache_engine import _mixed_workload, _run_rounds
 
@@ -293,3 +300,40 @@ def test_a_full_disk_leaves_serving_untouched(model_path, tmp_path, rounds, expe
     assert stats.entries > 0  # what fitted was written, and is still read
     stopped = [r for r in caplog.records if "without writing" in r.getMessage()]
     assert len(stopped) == 1, [r.getMessage() for r in caplog.records]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_the_loader_copies_blocks_into_the_pool_on_its_own_thread(tmp_path):
+    """A block read from disk lands in its slots (a run or scattered, whole or after the
+    positions the pool had), copied on the loader thread alone: no OpenMP team starts there,
+    since a second team in the process slows every engine step (`async_engine` says why). The
+    shapes are a real-size model's, where torch's own copy of one layer's K would run in
+    parallel."""
+    layers, heads, tokens, dim = 2, 8, 64, 128
+    shape = (layers, 2, heads, tokens, dim)
+    fingerprint = dataclasses.replace(FINGERPRINT, num_layers=layers, num_kv_heads=heads,
+                                      head_dim=dim, page_size=1, block_tokens=tokens)
+    pool = KVPool(layers, 512, 1, heads, dim, torch.float32, "cpu")
+    offload = KVOffload(TierStore(str(tmp_path), fingerprint, 1 << 30, 1 << 30), pool, tokens,
+                        time.monotonic)
+    data = torch.randn(shape)
+    scattered = random.Random(0).sample(range(200, 512), tokens - 8)
+    try:
+        for skip, slots in [(0, list(range(10, 10 + tokens))), (16, list(range(100, 148))),
+                            (8, scattered)]:
+            started: list[int] = []
+
+            def load(skip=skip, slots=slots, started=started) -> None:
+                before = len(os.listdir("/proc/self/task"))
+                offload._copy_in(data.numpy().tobytes(), skip, slots)
+                started.append(len(os.listdir("/proc/self/task")) - before)
+
+            loader = threading.Thread(target=load)
+            loader.start()
+            loader.join()
+            assert started == [0], f"the copy started {started} threads"
+            for i, layer in enumerate(pool.layers):
+                assert torch.equal(layer.k[:, slots], data[i, 0, :, skip:])
+                assert torch.equal(layer.v[:, slots], data[i, 1, :, skip:])
+    finally:
+        offload.close()

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from radixserve.engine.kv_pool import KVPool
@@ -208,8 +209,7 @@ class KVOffload:
             except EntryError:
                 break  # computed instead, from here on
             if payload is not None:  # not read in place: copy it over
-                data = torch.frombuffer(payload, dtype=self.dtype).view(self.block_shape)
-                self._copy_in(data[:, :, :, skip:].to(self.device), block_slots)
+                self._copy_in(payload, skip, block_slots)
             end = (j + 1) * size
             pin = self.store.pinned_until(keys[j])
             if pin != NOT_PINNED and pinned_end == j * size:  # pins cover prefixes: no gaps
@@ -237,16 +237,35 @@ class KVOffload:
                 or header.dtype != str(self.dtype).removeprefix("torch.")):
             return None
         end = first + len(slots)
-        if self._pool_bytes is None:  # numpy views of the pool: slicing them costs ~nothing
-            self._pool_bytes = [source.view(torch.uint8).numpy()
-                                for layer in self.pool.layers for source in (layer.k, layer.v)]
-        return [memoryview(pool[h, first:end]).cast("B") for pool in self._pool_bytes
+        return [memoryview(pool[h, first:end]).cast("B") for pool in self._pool_arrays()
                 for h in range(self.num_kv_heads)]
 
-    def _copy_in(self, data: torch.Tensor, slots: list[int]) -> None:
-        """Writes a block's K/V ([layers, 2, heads, tokens, dim]) into the pool's slots: a
-        plain copy where the slots run contiguously (the allocator's usual gift)."""
+    def _pool_arrays(self) -> list[np.ndarray]:
+        """numpy views of a CPU pool as bytes ([heads, slots, dim x item size] for each
+        layer's K, then V): slicing them costs ~nothing."""
+        if self._pool_bytes is None:
+            self._pool_bytes = [source.view(torch.uint8).numpy()
+                                for layer in self.pool.layers for source in (layer.k, layer.v)]
+        return self._pool_bytes
+
+    def _copy_in(self, payload: bytes | bytearray | memoryview, skip: int,
+                 slots: list[int]) -> None:
+        """Writes a block's K/V ([layers, 2, heads, tokens, dim], from position `skip`) into
+        the pool's slots: a plain copy where the slots run contiguously (the allocator's
+        usual gift)."""
         first = _run_start(slots)
+        if self.device.type == "cpu":
+            # numpy, whose copies stay on this thread: a torch copy this large would start an
+            # OpenMP team here, and a second team in the process slows every engine step
+            # (`async_engine` says why).
+            data = np.frombuffer(payload, np.uint8).reshape(
+                *self.block_shape[:-1], -1)[:, :, :, skip:]
+            where = slice(first, first + len(slots)) if first is not None else np.asarray(slots)
+            for i, pool in enumerate(self._pool_arrays()):
+                pool[:, where] = data[i // 2, i % 2]
+            return
+        data = torch.frombuffer(payload, dtype=self.dtype).view(self.block_shape)
+        data = data[:, :, :, skip:].to(self.device)
         if first is not None:
             for i, layer in enumerate(self.pool.layers):
                 layer.k[:, first : first + len(slots)].copy_(data[i, 0])

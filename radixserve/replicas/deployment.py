@@ -34,8 +34,8 @@ class EngineReplica:
         if config.prefix_cache == "radix":  # the other modes publish nothing
             config = dataclasses.replace(config, kv_events_endpoint=f"tcp://{host}:0",
                                          kv_events_replay_endpoint=f"tcp://{host}:0")
-        self.engine = LLMEngine(config)
-        self.aengine = AsyncEngine(self.engine)
+        self.aengine = AsyncEngine(lambda: LLMEngine(config))
+        self.engine = self.aengine.engine
         publisher = self.engine.kv_events
         self.events_endpoint = publisher.endpoint if publisher else None
         self.replay_endpoint = publisher.replay_endpoint if publisher else None

@@ -40,7 +40,7 @@ from radixserve.server.tool_parsers import PARSERS
 if TYPE_CHECKING:  # imported when serving only, so that `radixserve --help` stays fast
     from fastapi import FastAPI
 
-    from radixserve.engine.engine import LLMEngine
+    from radixserve.engine.async_engine import AsyncEngine
 
 logger = logging.getLogger("radixserve.server")
 
@@ -271,15 +271,14 @@ def serve(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     # Heavy imports here, so `radixserve --help` stays fast.
-    from radixserve.engine.async_engine import AsyncEngine
     from radixserve.server.app import create_app
 
     try:
-        settings, engine = _load(args)
+        settings, aengine = _load(args)
     except _CannotStart as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.status
-    aengine = AsyncEngine(engine)
+    engine = aengine.engine
     app = create_app(aengine, settings)
     config = engine.config
     logger.info(
@@ -296,8 +295,10 @@ def serve(args: argparse.Namespace) -> int:
     return 0 if started else 1
 
 
-def _load(args: argparse.Namespace) -> tuple[ServerSettings, LLMEngine]:
-    """The settings and the loaded engine; _CannotStart (2: bad flags or prices, 1: no model)."""
+def _load(args: argparse.Namespace) -> tuple[ServerSettings, AsyncEngine]:
+    """The settings and the engine, loaded on its own thread; _CannotStart (2: bad flags or
+    prices, 1: no model)."""
+    from radixserve.engine.async_engine import AsyncEngine
     from radixserve.engine.engine import LLMEngine
     from radixserve.model.default_model import ModelFetchError
     from radixserve.server.accounting import OffsetClock
@@ -310,10 +311,10 @@ def _load(args: argparse.Namespace) -> tuple[ServerSettings, LLMEngine]:
             load_prices(settings.prices_path)  # a bad file fails here, before the model loads
     except (ValueError, OSError) as exc:
         raise _CannotStart(str(exc), 2) from exc
+    # Clock control swaps the engine's clock for one a test can move forward.
+    clock = OffsetClock() if settings.enable_clock_control else time.monotonic
     try:
-        # Clock control swaps the engine's clock for one a test can move forward.
-        return settings, LLMEngine(config, clock=OffsetClock() if settings.enable_clock_control
-                                   else time.monotonic)
+        return settings, AsyncEngine(lambda: LLMEngine(config, clock=clock))
     except (ModelFetchError, FileNotFoundError, ValueError) as exc:
         raise _CannotStart(f"cannot load the model: {exc}", 1) from exc
 
