@@ -559,7 +559,6 @@ RS_AVX2 void q6k_panel_rows(const uint8_t* panel, const QuantizedRows& a, int64_
 template <Kind K>
 RS_AVX2 void rows_of_panel(const uint8_t* panel, const QuantizedRows& a, int64_t r0,
                            int64_t rows, float* acc) {
-  constexpr int kTile = 2;
   int64_t r = 0;
   if constexpr (K == Kind::q6k) {
     // Below ~24 rows the unpack is shared by too few tiles (measured slower at 8, even at 16).
@@ -571,7 +570,10 @@ RS_AVX2 void rows_of_panel(const uint8_t* panel, const QuantizedRows& a, int64_t
     for (; r + 2 <= rows; r += 2) tile_k<K, 2>(panel, a, r0 + r, acc + r * kRows);
     for (; r < rows; ++r) tile_k<K, 1>(panel, a, r0 + r, acc + r * kRows);
   } else {
-    for (; r + kTile <= rows; r += kTile) tile<K, kTile>(panel, a, r0 + r, acc + r * kRows);
+    // Four rows share each block's loaded (for Q8_0, sign-stripped) weights: 7-16% faster
+    // than two at 4-256 rows, measured on Q8_0, Q4_0 and Q4_1.
+    for (; r + 4 <= rows; r += 4) tile<K, 4>(panel, a, r0 + r, acc + r * kRows);
+    for (; r + 2 <= rows; r += 2) tile<K, 2>(panel, a, r0 + r, acc + r * kRows);
     for (; r < rows; ++r) tile<K, 1>(panel, a, r0 + r, acc + r * kRows);
   }
 }
