@@ -159,6 +159,18 @@ def _queries_by_replica(base_url: str) -> dict[str, float]:
             if k.startswith("prefix_cache_queries_total{")}
 
 
+@pytest.mark.skipif("OMP_WAIT_POLICY" in os.environ, reason="OMP_WAIT_POLICY is set here, "
+                    "and replicas inherit it (the launcher then sets nothing)")
+def test_replicas_with_more_threads_than_cpus_wait_passively(server: ServerProcess) -> None:
+    # 2 threads on 0.25 CPUs each: spinning OpenMP workers would take cores the other
+    # replica's threads need.
+    replicas = _replicas(server)
+    assert len(replicas) == 2
+    for replica in replicas:
+        environ = Path(f"/proc/{replica['pid']}/environ").read_bytes().split(b"\0")
+        assert b"OMP_WAIT_POLICY=PASSIVE" in environ, replica
+
+
 def _oracle(prompts: list[list[int]]) -> list[int]:
     """What one radix-cached engine (page size 1, nothing evicted) reports as cached: the
     longest common prefix with any earlier prompt, at most all tokens but the last."""

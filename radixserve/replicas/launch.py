@@ -165,6 +165,14 @@ def _deploy(args: argparse.Namespace, config: Any, settings: Any,
     threads = config.num_threads or max(1, int(cpus))
     # Every replica publishes its KV events (on ports of its own: deployment.EngineReplica).
     config = dataclasses.replace(config, num_threads=threads)
+    actor_options: dict[str, Any] = {"num_cpus": cpus}
+    if threads > cpus and "OMP_WAIT_POLICY" not in os.environ:
+        # More threads than the replica's CPUs: its cores are shared with other replicas, so
+        # OpenMP workers waiting between parallel regions sleep instead of spinning on a core
+        # another replica's threads need (read when the replica's process starts).
+        actor_options["runtime_env"] = {"env_vars": {"OMP_WAIT_POLICY": "PASSIVE"}}
+        logger.info("replicas run %d threads on %g CPUs each: OpenMP waits passively",
+                    threads, cpus)
     kwargs: dict[str, Any] = {"ingress_key": app_name}
     if args.router == "prefix":
         kwargs.update(imbalance_threshold=args.router_imbalance_threshold,
@@ -172,7 +180,7 @@ def _deploy(args: argparse.Namespace, config: Any, settings: Any,
     serve.start(http_options={"location": "NoServer"})  # this process is the HTTP ingress
     deployment = serve.deployment(
         EngineReplica, name=DEPLOYMENT_NAME, num_replicas=args.replicas,
-        ray_actor_options={"num_cpus": cpus},
+        ray_actor_options=actor_options,
         max_ongoing_requests=args.replica_max_ongoing,
         health_check_period_s=2.0, health_check_timeout_s=30.0,
         graceful_shutdown_timeout_s=10.0,
