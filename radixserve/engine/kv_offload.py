@@ -259,7 +259,8 @@ class KVOffload:
             # OpenMP team here, and a second team in the process slows every engine step
             # (`async_engine` says why).
             data = np.frombuffer(payload, np.uint8).reshape(
-                *self.block_shape[:-1], -1)[:, :, :, skip:]
+                *self.block_shape[:-1], self.head_dim * self.pool.layers[0].k.element_size())
+            data = data[:, :, :, skip:]
             where = slice(first, first + len(slots)) if first is not None else np.asarray(slots)
             for i, pool in enumerate(self._pool_arrays()):
                 pool[:, where] = data[i // 2, i % 2]

@@ -166,11 +166,15 @@ def _deploy(args: argparse.Namespace, config: Any, settings: Any,
     # Every replica publishes its KV events (on ports of its own: deployment.EngineReplica).
     config = dataclasses.replace(config, num_threads=threads)
     actor_options: dict[str, Any] = {"num_cpus": cpus}
-    if threads > cpus and "OMP_WAIT_POLICY" not in os.environ:
+    # The job's runtime environment, which Serve would otherwise give the replicas itself.
+    runtime_env = dict(ray.get_runtime_context().runtime_env or {})
+    env_vars = dict(runtime_env.get("env_vars") or {})
+    if threads > cpus and "OMP_WAIT_POLICY" not in {**os.environ, **env_vars}:
         # More threads than the replica's CPUs: its cores are shared with other replicas, so
         # OpenMP workers waiting between parallel regions sleep instead of spinning on a core
         # another replica's threads need (read when the replica's process starts).
-        actor_options["runtime_env"] = {"env_vars": {"OMP_WAIT_POLICY": "PASSIVE"}}
+        actor_options["runtime_env"] = {**runtime_env,
+                                        "env_vars": {**env_vars, "OMP_WAIT_POLICY": "PASSIVE"}}
         logger.info("replicas run %d threads on %g CPUs each: OpenMP waits passively",
                     threads, cpus)
     kwargs: dict[str, Any] = {"ingress_key": app_name}
