@@ -35,12 +35,15 @@ class EngineReplica:
             config = dataclasses.replace(config, kv_events_endpoint=f"tcp://{host}:0",
                                          kv_events_replay_endpoint=f"tcp://{host}:0")
         self.aengine = AsyncEngine(lambda: LLMEngine(config))
-        self.engine = self.aengine.engine
         publisher = self.engine.kv_events
         self.events_endpoint = publisher.endpoint if publisher else None
         self.replay_endpoint = publisher.replay_endpoint if publisher else None
         logger.info("replica %s: KV events on %s (replay %s)", self.replica_id,
                     self.events_endpoint, self.replay_endpoint)
+
+    @property
+    def engine(self) -> LLMEngine:
+        return self.aengine.engine
 
     # ----- Ray Serve hooks -----
 
