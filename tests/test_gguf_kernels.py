@@ -290,10 +290,22 @@ def test_rows_are_batch_invariant(kind):
     full = _linear(x, raw, kind)
     for lo, hi in [(0, 1), (5, 6), (255, 258), (299, 300), (3, 70), (250, 300)]:
         assert torch.equal(_linear(x[lo:hi], raw, kind), full[lo:hi]), (lo, hi)
+    wide, _ = _weights(640, k, kind, seed=5)  # 40 panels: 5-7 runs of about 32 KB
+    one_panel, _ = _weights(16, k, kind, seed=6)  # a single run
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert torch.equal(_linear(x, raw, kind), full)
+        alone = [_linear(x, weight, kind) for weight in (wide, one_panel)]
+        # Threads share out runs of panels and take from each other's shares once done with
+        # their own: with more threads than cores some are descheduled while the others take
+        # their runs, and with more threads than runs some get none; every output is written
+        # exactly once, by whichever thread.
+        for count in (1, 3, 5):
+            torch.set_num_threads(count)
+            assert torch.equal(_linear(x, raw, kind), full), count
+            assert torch.equal(_linear(x[:2], raw, kind), full[:2]), count
+            for weight, want in zip((wide, one_panel), alone, strict=True):
+                assert torch.equal(_linear(x, weight, kind), want), count
     finally:
         torch.set_num_threads(threads)
 

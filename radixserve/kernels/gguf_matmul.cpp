@@ -13,9 +13,10 @@
 // or row counts): x is quantized once per block size and each part is written at its column
 // offset, with no concatenation.
 //
-// Work: threads split the output panels (16 rows each) of all parts into contiguous ranges;
-// within a panel the path runs tiles of activation rows, the first streaming the panel from
-// memory and the others finding it in cache. Never split over k.
+// Work: threads share out runs of output panels (16 rows each, of all parts), each working
+// through its share in order and then helping with the others' (RunShares); within a panel
+// the path runs tiles of activation rows, the first streaming the panel from memory and the
+// others finding it in cache. Never split over k.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -25,8 +26,10 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "gguf_blocks.h"
@@ -216,6 +219,49 @@ int checked_path(int64_t max_path) {
   return static_cast<int>(std::min<int64_t>(max_path, radixserve::quant_path()));
 }
 
+// Runs [0, runs) split into equal contiguous shares, one per thread, each an atomic (front,
+// back) pair: the owner takes runs from the front, others take them from the back once their
+// own share is done, so every run is taken exactly once.
+class RunShares {
+ public:
+  RunShares(int64_t runs, int64_t shares)
+      : count_(shares), bounds_(new std::atomic<uint64_t>[static_cast<size_t>(shares)]) {
+    for (int64_t i = 0; i < shares; ++i)
+      bounds_[i].store(pack(runs * i / shares, runs * (i + 1) / shares));
+  }
+
+  // The next run for the caller that owns shares [first, end): from the front of its own, then
+  // from the back of the others'; -1 once none is left.
+  int64_t take(int64_t first, int64_t end) {
+    for (int64_t i = first; i < end; ++i)
+      if (const int64_t run = take_from(i, false); run >= 0) return run;
+    for (int64_t k = 1; k < count_; ++k)
+      if (const int64_t run = take_from((end - 1 + k) % count_, true); run >= 0) return run;
+    return -1;
+  }
+
+ private:
+  static uint64_t pack(int64_t front, int64_t back) {
+    return static_cast<uint64_t>(front) | static_cast<uint64_t>(back) << 32;
+  }
+
+  int64_t take_from(int64_t share, bool back) {
+    std::atomic<uint64_t>& bounds = bounds_[share];
+    uint64_t seen = bounds.load(std::memory_order_relaxed);
+    for (;;) {
+      const int64_t front = static_cast<int64_t>(seen & 0xFFFFFFFFu);
+      const int64_t end = static_cast<int64_t>(seen >> 32);
+      if (front >= end) return -1;
+      const uint64_t taken = back ? pack(front, end - 1) : pack(front + 1, end);
+      if (bounds.compare_exchange_weak(seen, taken, std::memory_order_relaxed))
+        return back ? end - 1 : front;
+    }
+  }
+
+  int64_t count_;
+  std::unique_ptr<std::atomic<uint64_t>[]> bounds_;
+};
+
 // One weight of the op: its panels and where its rows land in the output.
 struct Part {
   const Format* format;
@@ -278,30 +324,42 @@ at::Tensor gguf_linear(const at::Tensor& x, at::TensorList panels, at::IntArrayR
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   float* yf = bf16 ? nullptr : out.data_ptr<float>();
   c10::BFloat16* yh = bf16 ? out.data_ptr<c10::BFloat16>() : nullptr;
-  // About 32 KB of weights per task: small parts still split, and no thread waits on many.
-  const int64_t grain = std::max<int64_t>(1, 32768 / parts[0].panel_stride);
-  at::parallel_for(0, total_panels, grain, [&](int64_t begin, int64_t end) {
+  // Each thread takes an equal contiguous share of the runs (about 32 KB of weights each) and
+  // works through it front to back, as one stream; one that finishes early then takes runs
+  // from the back of the others' shares. Cores need not run at one speed (a VM's vCPU whose
+  // host core is busy with a neighbour, a laptop's efficiency cores: on this project's 2-core
+  // VMs one core at times ran this kernel at 0.6x the other's rate), and with fixed shares
+  // the fast one would wait for the slow one.
+  const int64_t run_panels = std::max<int64_t>(1, 32768 / parts[0].panel_stride);
+  const int64_t runs = (total_panels + run_panels - 1) / run_panels;
+  const int64_t threads = std::clamp<int64_t>(at::get_num_threads(), 1, runs);
+  RunShares shares(runs, threads);
+  at::parallel_for(0, threads, 1, [&](int64_t first_share, int64_t end_share) {
     std::vector<float> acc(kRowChunk * kRows);
-    size_t part = 0;
-    int64_t first = 0;  // index of parts[part]'s first panel
-    for (int64_t index = begin; index < end; ++index) {
-      while (index >= first + parts[part].panel_count) first += parts[part++].panel_count;
-      const Part& p = parts[part];
-      const int64_t panel = index - first;
-      const int64_t live = std::min<int64_t>(kRows, p.rows - panel * kRows);
-      for (int64_t r0 = 0; r0 < m; r0 += kRowChunk) {
-        const int64_t n_rows = std::min(kRowChunk, m - r0);
-        run(*p.format, p.panels + panel * p.panel_stride, p.format->block == 32 ? a32 : a256, r0,
-            n_rows, acc.data());
-        for (int64_t r = 0; r < n_rows; ++r) {
-          const int64_t col = p.column + panel * kRows;
-          for (int64_t lane = 0; lane < live; ++lane) {
-            float y = acc[r * kRows + lane];
-            if (bp) y += bp[col + lane];
-            if (bf16)
-              yh[(r0 + r) * columns + col + lane] = static_cast<c10::BFloat16>(y);
-            else
-              yf[(r0 + r) * columns + col + lane] = y;
+    for (int64_t claimed; (claimed = shares.take(first_share, end_share)) >= 0;) {
+      const int64_t begin = claimed * run_panels;
+      const int64_t end = std::min(total_panels, begin + run_panels);
+      size_t part = 0;
+      int64_t first = 0;  // index of parts[part]'s first panel
+      for (int64_t index = begin; index < end; ++index) {
+        while (index >= first + parts[part].panel_count) first += parts[part++].panel_count;
+        const Part& p = parts[part];
+        const int64_t panel = index - first;
+        const int64_t live = std::min<int64_t>(kRows, p.rows - panel * kRows);
+        for (int64_t r0 = 0; r0 < m; r0 += kRowChunk) {
+          const int64_t n_rows = std::min(kRowChunk, m - r0);
+          run(*p.format, p.panels + panel * p.panel_stride, p.format->block == 32 ? a32 : a256,
+              r0, n_rows, acc.data());
+          for (int64_t r = 0; r < n_rows; ++r) {
+            const int64_t col = p.column + panel * kRows;
+            for (int64_t lane = 0; lane < live; ++lane) {
+              float y = acc[r * kRows + lane];
+              if (bp) y += bp[col + lane];
+              if (bf16)
+                yh[(r0 + r) * columns + col + lane] = static_cast<c10::BFloat16>(y);
+              else
+                yf[(r0 + r) * columns + col + lane] = y;
+            }
           }
         }
       }
