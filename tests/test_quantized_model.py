@@ -100,35 +100,38 @@ def test_the_decoder_stack_gives_the_python_layers_bits(which, request, monkeypa
     # panels for the reference) run the Python layers' kernels in their order: the same
     # tokens and the same logprobs to the last bit, through decode-only steps and mixed ones
     # (with a small token budget, prompts are prefilled in chunks beside the others' decode
-    # rows).
+    # rows), and through a step of more rows than the stack's MLP takes at a time (256).
     llm = request.getfixturevalue(which)
     model = llm.engine.model
     if which == "reference" and model.linear_method.name != "skinny-float":
         pytest.skip(f"float panels need AVX2 or AVX-512 ({model.linear_method.name} runs "
                     "here, which has no C++ form: the Python layers run)")
     assert model.stack is not None
-    ran: list[tuple[bool, bool]] = []  # (the step mixed decode and prefill rows, the stack ran)
+    ran: list[tuple[bool, bool, int]] = []  # (decode and prefill rows mixed, it ran, rows)
     run = DecoderStack.run
 
     def counted(self, x, rotary, batch, caches):
         out = run(self, x, rotary, batch, caches)
         plan = batch.attention_plan
-        ran.append((plan.decode is not None and plan.prefill is not None, out is not None))
+        ran.append((plan.decode is not None and plan.prefill is not None, out is not None,
+                    x.shape[0]))
         return out
 
     monkeypatch.setattr(DecoderStack, "run", counted)
-    monkeypatch.setattr(llm.engine.config, "max_num_batched_tokens", 24)
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=3)
+    long_prompt = " ".join(PROMPTS * 5)  # about 400 tokens
 
-    def generate() -> list[tuple[list[int], list]]:
+    def generate(prompts: list[str], budget: int) -> list[tuple[list[int], list]]:
+        monkeypatch.setattr(llm.engine.config, "max_num_batched_tokens", budget)
         llm.engine.cache.reset()  # each run computes every prompt token itself
-        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+        outs = llm.generate(prompts, params, use_tqdm=False)
         return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
 
-    stacked = generate()
-    assert ran and all(done for _, done in ran) and any(mixed for mixed, _ in ran)
+    stacked = generate(PROMPTS, 24), generate([long_prompt, PROMPTS[0]], 2048)
+    assert ran and all(done for _, done, _ in ran) and any(mixed for mixed, _, _ in ran)
+    assert max(rows for _, _, rows in ran) > 256
     monkeypatch.setattr(model, "stack", None)
-    assert generate() == stacked
+    assert (generate(PROMPTS, 24), generate([long_prompt, PROMPTS[0]], 2048)) == stacked
 
 
 def test_bfloat16_activations_run_on_the_same_blocks(bf16, quantized):
