@@ -13,6 +13,7 @@
 // out), in a fixed order per row, so a row's result does not depend on the rows beside it.
 
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -139,7 +140,11 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   const int64_t rows = gate_up.size(0), half = gate_up.size(1) / 2;
   at::Tensor y = at::empty({rows, half}, gate_up.options());
   const int64_t grain = std::max<int64_t>(1, kGrainElements / std::max<int64_t>(half, 1));
+  // The callers' thread-local state (inference mode above all) on every thread of the team:
+  // ATen ops on a worker thread would otherwise run outside it.
+  const at::ThreadLocalState state;
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    const at::ThreadLocalStateGuard guard(state);
     const at::Tensor part = gate_up.narrow(0, begin, end - begin);
     at::Tensor out = y.narrow(0, begin, end - begin);
     at::silu_out(out, part.narrow(1, 0, half));
