@@ -334,36 +334,36 @@ at::Tensor gguf_linear(const at::Tensor& x, at::TensorList panels, at::IntArrayR
   const int64_t runs = (total_panels + run_panels - 1) / run_panels;
   const int64_t threads = std::clamp<int64_t>(at::get_num_threads(), 1, runs);
   RunShares shares(runs, threads);
+  // Panel `index` of all parts' panels for every row of x, written to its output columns.
+  auto write_panel = [&](int64_t index, float* acc) {
+    size_t part = 0;
+    int64_t first = 0;  // index of parts[part]'s first panel
+    while (index >= first + parts[part].panel_count) first += parts[part++].panel_count;
+    const Part& p = parts[part];
+    const int64_t panel = index - first;
+    const int64_t live = std::min<int64_t>(kRows, p.rows - panel * kRows);
+    const int64_t col = p.column + panel * kRows;
+    for (int64_t r0 = 0; r0 < m; r0 += kRowChunk) {
+      const int64_t n_rows = std::min(kRowChunk, m - r0);
+      run(*p.format, p.panels + panel * p.panel_stride, p.format->block == 32 ? a32 : a256, r0,
+          n_rows, acc);
+      for (int64_t r = 0; r < n_rows; ++r)
+        for (int64_t lane = 0; lane < live; ++lane) {
+          float y = acc[r * kRows + lane];
+          if (bp) y += bp[col + lane];
+          if (bf16)
+            yh[(r0 + r) * columns + col + lane] = static_cast<c10::BFloat16>(y);
+          else
+            yf[(r0 + r) * columns + col + lane] = y;
+        }
+    }
+  };
   at::parallel_for(0, threads, 1, [&](int64_t first_share, int64_t end_share) {
     std::vector<float> acc(kRowChunk * kRows);
-    for (int64_t claimed; (claimed = shares.take(first_share, end_share)) >= 0;) {
-      const int64_t begin = claimed * run_panels;
-      const int64_t end = std::min(total_panels, begin + run_panels);
-      size_t part = 0;
-      int64_t first = 0;  // index of parts[part]'s first panel
-      for (int64_t index = begin; index < end; ++index) {
-        while (index >= first + parts[part].panel_count) first += parts[part++].panel_count;
-        const Part& p = parts[part];
-        const int64_t panel = index - first;
-        const int64_t live = std::min<int64_t>(kRows, p.rows - panel * kRows);
-        for (int64_t r0 = 0; r0 < m; r0 += kRowChunk) {
-          const int64_t n_rows = std::min(kRowChunk, m - r0);
-          run(*p.format, p.panels + panel * p.panel_stride, p.format->block == 32 ? a32 : a256,
-              r0, n_rows, acc.data());
-          for (int64_t r = 0; r < n_rows; ++r) {
-            const int64_t col = p.column + panel * kRows;
-            for (int64_t lane = 0; lane < live; ++lane) {
-              float y = acc[r * kRows + lane];
-              if (bp) y += bp[col + lane];
-              if (bf16)
-                yh[(r0 + r) * columns + col + lane] = static_cast<c10::BFloat16>(y);
-              else
-                yf[(r0 + r) * columns + col + lane] = y;
-            }
-          }
-        }
-      }
-    }
+    for (int64_t claimed; (claimed = shares.take(first_share, end_share)) >= 0;)
+      for (int64_t index = claimed * run_panels;
+           index < std::min(total_panels, (claimed + 1) * run_panels); ++index)
+        write_panel(index, acc.data());
   });
   return out;
 }
