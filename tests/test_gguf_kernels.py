@@ -254,7 +254,8 @@ def test_linear_matches_float64(kind, shape, bias):
 def test_vector_paths_equal_the_portable_path_bitwise(kind, path):
     if path > BEST:
         pytest.skip(f"this CPU runs {QUANT_PATHS[BEST]}: the {QUANT_PATHS[path]} path cannot "
-                    "run here (it is checked on machines that have it)")
+                    "run here (natively on machines that have it; on an emulated CPU in "
+                    "test_emulated_avx512.py)")
     n, k = _shapes(kind)[0]
     raw, _ = _weights(n, k, kind, seed=3)
     bias = torch.randn(n)

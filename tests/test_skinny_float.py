@@ -37,8 +37,9 @@ SHAPES = [(37, 33), (16, 1), (200, 97), (960, 576)]
 
 def _paths() -> list:
     return [pytest.param(path, id=name, marks=pytest.mark.skipif(
-        path > BEST, reason=f"this CPU runs the {FLOAT_PATHS[BEST]} path: {name} is checked on "
-        "machines that have it")) for path, name in enumerate(FLOAT_PATHS)]
+        path > BEST, reason=f"this CPU runs the {FLOAT_PATHS[BEST]} path: {name} is checked "
+        "natively on machines that have it (avx512 also on an emulated CPU in "
+        "test_emulated_avx512.py)")) for path, name in enumerate(FLOAT_PATHS)]
 
 
 def _weights(n: int, k: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:

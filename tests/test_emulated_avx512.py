@@ -1,0 +1,130 @@
+"""The kernels' AVX-512 paths on an emulated Sapphire Rapids CPU (tests/emulated_cpu.py), on any
+x86-64 machine: the GGUF matmul's AVX-512 VNNI path and skinny_float's AVX-512 path must give
+the portable path's bits, as on real hardware (test_gguf_kernels and test_skinny_float run them
+natively where the CPU has AVX-512). The oracle runs natively: the same inputs through the
+library's portable path. One image build and one emulator process per test.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import emulated_cpu
+import numpy as np
+import pytest
+import torch
+from emulated_cpu import Arena, Call, EmulationFault, read
+
+from radixserve.kernels import gguf_ops, skinny_float_ops
+
+if (why := emulated_cpu.missing()) is not None:
+    pytest.skip(why, allow_module_level=True)
+
+from test_gguf_kernels import FORMATS, _block, _shapes, _weights  # noqa: E402
+
+GGUF = gguf_ops()
+FLOAT = skinny_float_ops()
+# Tiles of 4 activation rows (Q6_K: 2) and single rows, within chunks of rows as gguf_linear
+# cuts them (rows from r0 > 0 included).
+GGUF_ROWS = [(1, 1), (3, 3), (4, 4), (9, 9), (9, 5), (19, 8)]  # (rows, chunk)
+# 1-3 rows: one tile over 8 (3 rows: 6) panels at a time; more: tiles of up to 12 rows.
+FLOAT_ROWS = [1, 2, 3, 5, 12, 13, 25]
+
+
+@pytest.fixture(scope="module")
+def image(tmp_path_factory):
+    return emulated_cpu.build_image(tmp_path_factory.mktemp("emulated"))
+
+
+def _cpuid(image, leaf: int, subleaf: int = 0, model: str = "sapphire_rapids") -> list[int]:
+    arena = Arena()
+    out = arena.zeros((4,), np.uint32)
+    [after] = emulated_cpu.run(image, [Call("rs_cpuid", (leaf, subleaf, out), arena)], model)
+    return read(after, out, (4,), np.uint32).tolist()
+
+
+def test_the_emulated_cpu_has_the_features_of_the_avx512_paths(image):
+    _, ebx, ecx, _ = _cpuid(image, 7)
+    bf16 = _cpuid(image, 7, 1)[0]
+    features = {"avx512f": ebx >> 16, "avx512dq": ebx >> 17, "avx512bw": ebx >> 30,
+                "avx512vl": ebx >> 31, "avx512_vnni": ecx >> 11, "avx512_bf16": bf16 >> 5}
+    assert {name for name, bit in features.items() if bit & 1} == set(features)
+    # The model without VNNI says so: the check above can fail.
+    assert not _cpuid(image, 7, model="corei3_cnl")[2] >> 11 & 1
+
+
+def _gguf_call(kind, n: int, k: int, m: int, chunk: int, seed: int):
+    """A call of the AVX-512 path over a random weight (with gguf-py's blocks and edge
+    blocks) and its expected output from the native portable path."""
+    raw, _ = _weights(n, k, kind, seed=seed)
+    panels = GGUF.pack(torch.from_numpy(raw), int(kind))
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed))
+    x[0, :32] = 0  # a block of zeros (dx = 0)
+    quantized = torch.ops.radixserve.gguf_quantize_activations(x, _block(kind), 0)
+    want = GGUF.linear(x, panels, int(kind), n, None, 0).numpy()
+    arena = Arena()
+    arrays = [arena.put(panels.numpy())] + [arena.put(t.numpy()) for t in quantized]
+    count = panels.shape[0]
+    out = arena.zeros((count, m, 16), np.float32)
+    fields = struct.pack("<6q8Q", int(kind), count, panels.shape[1], m, k, chunk, *arrays, out)
+    return Call("rs_gguf_panels", (arena.put(fields),), arena), out, want
+
+
+@pytest.mark.parametrize("kind", FORMATS, ids=lambda kind: kind.name)
+def test_gguf_avx512_vnni_path_gives_the_portable_bits(image, kind):
+    calls, checks = [], []
+    for shape_index, (n, k) in enumerate(_shapes(kind)[:2]):
+        for m, chunk in GGUF_ROWS:
+            call, out, want = _gguf_call(kind, n, k, m, chunk, seed=100 * shape_index + m)
+            calls.append(call)
+            checks.append((out, want, n, k, m, chunk))
+    arenas = emulated_cpu.run(image, calls)
+    for after, (out, want, n, k, m, chunk) in zip(arenas, checks, strict=True):
+        by_panel = read(after, out, (-(-n // 16), m, 16), np.float32)
+        got = by_panel.transpose(1, 0, 2).reshape(m, -1)[:, :n]
+        assert np.abs(want).max() > 0
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (
+            f"{kind.name} N={n} K={k} M={m} chunk={chunk}: "
+            f"{np.count_nonzero(got != want)} of {got.size} outputs differ")
+
+
+def test_gguf_kernel_needs_vnni(image):
+    """On AVX-512 without VNNI (Cannon Lake) the path faults at its first vpdpbusd: the
+    emulated runs above did execute the VNNI instructions."""
+    call, _, _ = _gguf_call(FORMATS[0], 16, 32, 1, 1, seed=0)
+    with pytest.raises(EmulationFault, match="invalid opcode near .* in .*panel_avx512"):
+        emulated_cpu.run(image, [call], model="corei3_cnl")
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_skinny_float_avx512_path_gives_the_portable_bits(image, bias):
+    """Every weight type, row counts across the tile shapes, N and K odd, with and without a
+    bias, against the native portable path."""
+    calls, checks = [], []
+    n, k = 37, 33
+    for type_id, dtype in enumerate([torch.float32, torch.float16, torch.bfloat16]):
+        gen = torch.Generator().manual_seed(type_id)
+        weight = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)
+        panels = FLOAT.pack(weight, dtype)
+        count = panels.shape[0]
+        b = torch.randn(n, generator=gen) if bias else None
+        padded_bias = torch.zeros(count * 16)
+        if b is not None:
+            padded_bias[:n] = b
+        for m in FLOAT_ROWS:
+            x = torch.randn(m, k, generator=gen)
+            want = FLOAT.linear(x, panels, n, b, 0).numpy()
+            arena = Arena()
+            w = arena.put(panels.view(torch.int16).numpy() if dtype != torch.float32
+                          else panels.numpy())
+            out = arena.zeros((m, count * 16), np.float32)
+            problem = struct.pack("<Q3qQQ", arena.put(x.numpy()), m, k, count * 16,
+                                  arena.put(padded_bias.numpy()) if bias else 0, out)
+            calls.append(Call("rs_skinny_float", (arena.put(problem), w, type_id, 0, count),
+                              arena))
+            checks.append((out, want, m, count, dtype))
+    arenas = emulated_cpu.run(image, calls)
+    for after, (out, want, m, count, dtype) in zip(arenas, checks, strict=True):
+        got = read(after, out, (m, count * 16), np.float32)[:, :n]
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (
+            f"{dtype} M={m}: {np.count_nonzero(got != want)} of {got.size} outputs differ")
