@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "decode_attention_avx512.h"
 #include "gguf_matmul_avx512.cpp"
 #include "skinny_float_paths.h"
 
@@ -81,6 +82,51 @@ void rs_skinny_float(const radixserve::skinny_float::Problem* problem, const voi
     panels_vector<Avx512>(*problem, static_cast<const c10::Half*>(w), p0, p1);
   else
     panels_vector<Avx512>(*problem, static_cast<const c10::BFloat16*>(w), p0, p1);
+}
+
+// One row's attention over one kv head's pool, as paged_attention's AVX-512 paths compute it:
+// path 2 (attend_avx512: float32 q, a float32 or bfloat16 pool) or 3 (attend_bf16: bfloat16 q
+// and pool); dim 64 or 128. Scratch: scores [groups * n], probs [groups * (n + 2)], totals
+// [groups].
+struct AttendCall {
+  int64_t path, bf16, dim, n, groups;
+  double scale;
+  const void* q;
+  const void* keys;
+  const void* values;
+  const int32_t* slots;
+  float* scores;
+  uint16_t* probs;
+  float* totals;
+  void* out;
+};
+
+void rs_attend(const AttendCall* c) {
+  using radixserve::attention::attend_avx512;
+  using radixserve::attention::attend_bf16;
+  using c10::BFloat16;
+  const auto scale = static_cast<float>(c->scale);
+  const auto* q = static_cast<const float*>(c->q);
+  if (c->path == 3) {
+    const auto* qh = static_cast<const BFloat16*>(c->q);
+    const auto* k = static_cast<const BFloat16*>(c->keys);
+    const auto* v = static_cast<const BFloat16*>(c->values);
+    auto* out = static_cast<BFloat16*>(c->out);
+    (c->dim == 64 ? attend_bf16<64> : attend_bf16<128>)(
+        qh, k, v, c->slots, c->n, c->groups, scale, c->scores, c->probs, c->totals, out);
+  } else if (c->bf16) {
+    const auto* k = static_cast<const BFloat16*>(c->keys);
+    const auto* v = static_cast<const BFloat16*>(c->values);
+    auto* out = static_cast<BFloat16*>(c->out);
+    (c->dim == 64 ? attend_avx512<BFloat16, 64> : attend_avx512<BFloat16, 128>)(
+        q, k, v, c->slots, c->n, c->groups, scale, c->scores, out);
+  } else {
+    const auto* k = static_cast<const float*>(c->keys);
+    const auto* v = static_cast<const float*>(c->values);
+    auto* out = static_cast<float*>(c->out);
+    (c->dim == 64 ? attend_avx512<float, 64> : attend_avx512<float, 128>)(
+        q, k, v, c->slots, c->n, c->groups, scale, c->scores, out);
+  }
 }
 
 }  // extern "C"

@@ -1,8 +1,10 @@
 """The kernels' AVX-512 paths on an emulated Sapphire Rapids CPU (tests/emulated_cpu.py), on any
 x86-64 machine: the GGUF matmul's AVX-512 VNNI path and skinny_float's AVX-512 path must give
-the portable path's bits, as on real hardware (test_gguf_kernels and test_skinny_float run them
-natively where the CPU has AVX-512). The oracle runs natively: the same inputs through the
-library's portable path. One image build and one emulator process per test.
+the portable path's bits, as on real hardware, and the attention kernel's AVX-512 and
+AVX512-BF16 row functions must match float64 (test_gguf_kernels, test_skinny_float and
+test_paged_attention run them natively where the CPU has AVX-512). The matmuls' oracle runs
+natively: the same inputs through the library's portable path. One image build per module and
+one emulator process per test.
 """
 
 from __future__ import annotations
@@ -128,3 +130,50 @@ def test_skinny_float_avx512_path_gives_the_portable_bits(image, bias):
         got = read(after, out, (m, count * 16), np.float32)[:, :n]
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (
             f"{dtype} M={m}: {np.count_nonzero(got != want)} of {got.size} outputs differ")
+
+
+# (path, pool dtype): attend_avx512 on float32 and bfloat16 pools, attend_bf16 on bfloat16.
+ATTENTION_PATHS = [(2, torch.float32), (2, torch.bfloat16), (3, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("path, dtype", ATTENTION_PATHS,
+                         ids=["avx512-float32", "avx512-bfloat16", "avx512-bf16-bfloat16"])
+def test_attention_avx512_paths_match_float64(image, path, dtype):
+    """One row and kv head per call, as paged_attention runs them: head dims 64 and 128,
+    1-5 query heads per kv head (attend_bf16 weighs values 4 or 2 heads at a time), contexts
+    shorter and longer than 16 keys and odd (keys are scored 16 at a time, values read in
+    pairs), slots scattered over the pool. Tolerances as test_paged_attention's."""
+    calls, checks = [], []
+    for dim in (64, 128):
+        for groups, n in [(1, 1), (2, 15), (4, 16), (5, 17), (3, 100)]:
+            gen = torch.Generator().manual_seed(dim + 10 * groups + n)
+            keys = torch.randn(300, dim, generator=gen).to(dtype)
+            values = torch.randn(300, dim, generator=gen).to(dtype)
+            q = torch.randn(groups, dim, generator=gen).to(dtype)
+            slots = torch.randperm(300, generator=gen)[:n].to(torch.int32)
+            scale = dim**-0.5
+            k64, v64 = keys[slots.long()].double(), values[slots.long()].double()
+            weights = torch.softmax(q.double() @ k64.T * scale, dim=-1)
+            want = (weights @ v64).numpy()
+            arena = Arena()
+            as_bits = (lambda t: t.view(torch.int16).numpy()) if dtype == torch.bfloat16 else (
+                lambda t: t.numpy())
+            q_in = as_bits(q) if path == 3 else q.float().numpy()
+            out = arena.zeros((groups, dim), np.int16 if dtype == torch.bfloat16 else np.float32)
+            fields = struct.pack(
+                "<5qd8Q", path, dtype == torch.bfloat16, dim, n, groups, scale, arena.put(q_in),
+                arena.put(as_bits(keys)), arena.put(as_bits(values)), arena.put(slots.numpy()),
+                arena.zeros((groups * n,), np.float32), arena.zeros((groups * (n + 2),), np.uint16),
+                arena.zeros((groups,), np.float32), out)
+            calls.append(Call("rs_attend", (arena.put(fields),), arena))
+            checks.append((out, want, groups, dim, n))
+    tolerance = 2e-5 if dtype == torch.float32 else 2e-2
+    arenas = emulated_cpu.run(image, calls)
+    for after, (out, want, groups, dim, n) in zip(arenas, checks, strict=True):
+        if dtype == torch.bfloat16:
+            bits = torch.from_numpy(read(after, out, (groups, dim), np.int16))
+            got = bits.view(torch.bfloat16).double().numpy()
+        else:
+            got = read(after, out, (groups, dim), np.float32).astype(np.float64)
+        error = np.abs(got - want).max()
+        assert error < tolerance, f"dim={dim} groups={groups} n={n}: off by {error}"
