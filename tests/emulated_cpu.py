@@ -6,8 +6,9 @@ tests/emulated_kernels.cpp includes the kernel sources as they are; `build_image
 with g++ at the library's -O3 into a static image with no C library. `run` executes calls of
 its entry points in a child process (the emulator's bindings crash at interpreter exit, and a
 fault must not take the test runner with it): each call's arrays sit in one block of guest
-memory, its Arena, which comes back after the call. The emulated CPU runs the instructions,
-not their timing: this checks results, never speed.
+memory, its Arena, which comes back after the call, checked to be unchanged outside the
+arrays the call may write. The emulated CPU runs the instructions, not their timing: this
+checks results, never speed.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 
@@ -31,7 +33,9 @@ _STACK, _STACK_BYTES = 0x7F00_0000, 256 * 1024
 _EXIT = 0x7E00_0000  # the return address: a page holding one hlt
 _PAGE = 4096
 _KERNELS = Path(__file__).parent.parent / "radixserve" / "kernels"
-_SOURCE = Path(__file__).with_name("emulated_kernels.cpp")
+_SOURCES = [Path(__file__).with_name(name)
+            for name in ("emulated_kernels.cpp", "emulated_libc.cpp")]
+_GUARD = 4096  # zero bytes after each arena that no call may write
 
 # CPU models by their index in the Bochs 3.0 list that bochscpu-python 0.4.0 builds. Its own
 # setting offers only a shorter, older list and sets Cannon Lake (AVX-512 without VNNI), so
@@ -62,21 +66,25 @@ _VECTORS = {0: "#DE divide error", 6: "#UD invalid opcode", 13: "#GP general pro
 
 @dataclass
 class Arena:
-    """A call's guest memory: arrays placed one after another, each 64-byte aligned."""
+    """A call's guest memory: arrays placed one after another, each 64-byte aligned. Inputs
+    (`put`) must come back unchanged; only outputs (`output`) may be written."""
 
     data: bytearray = field(default_factory=bytearray)
+    outputs: list[tuple[int, int]] = field(default_factory=list)  # (offset, bytes)
 
     def put(self, array: np.ndarray | bytes) -> int:
         """Copies `array` in and returns its guest address."""
         raw = array if isinstance(array, bytes) else np.ascontiguousarray(array).tobytes()
-        offset = -len(self.data) % 64
-        self.data.extend(bytes(offset))
+        self.data.extend(bytes(-len(self.data) % 64))
         address = ARENA + len(self.data)
         self.data.extend(raw)
         return address
 
-    def zeros(self, shape: tuple[int, ...], dtype: type | np.dtype) -> int:
-        return self.put(np.zeros(shape, dtype))
+    def output(self, shape: tuple[int, ...], dtype: type | np.dtype) -> int:
+        """A zeroed array that the call may write (results, scratch); its guest address."""
+        address = self.put(np.zeros(shape, dtype))
+        self.outputs.append((address - ARENA, len(self.data) - (address - ARENA)))
+        return address
 
 
 def read(arena: bytes, address: int, shape: tuple[int, ...], dtype: type | np.dtype) -> np.ndarray:
@@ -120,9 +128,10 @@ def build_image(folder: Path) -> Path:
     command = ["g++", "-std=c++17", "-O3", "-fno-exceptions", "-fno-rtti",
                "-fno-asynchronous-unwind-tables", "-fno-stack-protector", "-fcf-protection=none",
                "-fno-pic", "-no-pie", "-static", "-nostdlib",
+               # The linker wants an entry point; each call starts at its own function.
                "-Wl,-e,rs_cpuid", "-Wl,--build-id=none",
                f"-I{_KERNELS}", *(f"-I{path}" for path in include_paths()),
-               str(_SOURCE), "-o", str(image)]
+               *map(str, _SOURCES), "-o", str(image)]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"building the emulated image failed:\n{done.stderr[-4000:]}")
@@ -130,7 +139,7 @@ def build_image(folder: Path) -> Path:
 
 
 def run(image: Path, calls: list[Call], model: str = "sapphire_rapids",
-        timeout: float = 300) -> list[bytes]:
+        timeout: float = 60) -> list[bytes]:
     """Runs `calls` in order on the emulated CPU `model` (a key of MODELS); each one's arena
     after its call. Raises EmulationFault where a call faults."""
     with tempfile.TemporaryDirectory(prefix="emulated-") as folder:
@@ -141,15 +150,28 @@ def run(image: Path, calls: list[Call], model: str = "sapphire_rapids",
         if not hasattr(ctypes.CDLL(None), "__isoc23_strtoull"):
             env["RS_GLIBC_SHIM"] = str(_glibc_shim(Path(folder)))
         done = subprocess.run([sys.executable, __file__, str(job), str(results)], env=env,
-                              capture_output=True, text=True, timeout=timeout)
+                              capture_output=True, text=True, errors="replace", timeout=timeout)
         if done.returncode != 0 or not results.exists():
             raise RuntimeError(f"the emulator's process failed ({done.returncode}):\n"
                                f"{done.stderr[-4000:]}")
         outcomes = pickle.loads(results.read_bytes())
-    for call, (fault, _) in zip(calls, outcomes, strict=True):
+    for call, (fault, after) in zip(calls, outcomes, strict=True):
         if fault:
             raise EmulationFault(f"{call.function}: {fault}")
-    return [arena for _, arena in outcomes]
+        if (offset := _written_outside(call.arena, after)) is not None:
+            raise EmulationFault(f"{call.function} wrote outside its outputs, at arena offset "
+                                 f"{offset} of {len(call.arena.data)}")
+    return [after[:len(call.arena.data)] for call, (_, after) in zip(calls, outcomes, strict=True)]
+
+
+def _written_outside(arena: Arena, after: bytes) -> int | None:
+    """The first arena offset (guard bytes included) that changed but is no output's."""
+    before = np.frombuffer(bytes(arena.data) + bytes(_GUARD), np.uint8)
+    changed = before != np.frombuffer(after, np.uint8)
+    for offset, size in arena.outputs:
+        changed[offset:offset + size] = False
+    where = np.flatnonzero(changed)
+    return int(where[0]) if where.size else None
 
 
 def _glibc_shim(folder: Path) -> Path:
@@ -226,7 +248,7 @@ def _child(job_path: str, results_path: str) -> None:
         map_pages(address, address + in_memory)
     map_pages(_STACK, _STACK + _STACK_BYTES)
     map_pages(_EXIT, _EXIT + 1)
-    map_pages(ARENA, ARENA + max(1, max(len(arena) for _, _, arena in calls)))
+    map_pages(ARENA, ARENA + max(len(arena) for _, _, arena in calls) + _GUARD)
     cr3 = 0x10_0000
     for hva, gpa in table.commit(cr3):
         memory.page_insert(gpa, hva)
@@ -236,7 +258,7 @@ def _child(job_path: str, results_path: str) -> None:
 
     outcomes = []
     for function, args, arena in calls:
-        assert memory.virt_write(cr3, ARENA, list(arena))
+        assert memory.virt_write(cr3, ARENA, list(arena + bytes(_GUARD)))
         state = bochscpu.State()
         bochscpu.cpu.set_long_mode(state)
         state.cr4 = state.cr4 | 1 << 9 | 1 << 10 | 1 << 18  # OSFXSR, OSXMMEXCPT, OSXSAVE
@@ -250,8 +272,10 @@ def _child(job_path: str, results_path: str) -> None:
         registers = ("rdi", "rsi", "rdx", "rcx", "r8", "r9")[:len(args)]
         for register, value in zip(registers, args, strict=True):
             setattr(state, register, value % (1 << 64))
+        # Flat ring-0 segments: ring 0 so that the return to the hlt page stops the run
+        # (ring 3 would fault there); code 64-bit (L), data read/write.
         code, data = bochscpu.Segment(), bochscpu.Segment()
-        for segment, selector, attributes in ((code, 0x8, 0x229B), (data, 0x10, 0xC93)):
+        for segment, selector, attributes in ((code, 0x8, 0x209B), (data, 0x10, 0xC093)):
             segment.present, segment.selector, segment.attr = True, selector, attributes
             segment.base, segment.limit = 0, 0xFFFF_FFFF
         state.cs = code
@@ -259,11 +283,12 @@ def _child(job_path: str, results_path: str) -> None:
         session.cpu.state = state
         stop: dict[str, int] = {}
 
-        def on_exception(s, cpu, vector, error, stop=stop):
+        def on_exception(s: bochscpu.Session, cpu: int, vector: int, error: int,
+                         stop: dict[str, int] = stop) -> None:
             stop["vector"] = vector
             s.stop()
 
-        def on_hlt(s, cpu, stop=stop):
+        def on_hlt(s: bochscpu.Session, cpu: int, stop: dict[str, int] = stop) -> None:
             stop["hlt"] = 1
             s.stop()
 
@@ -276,13 +301,12 @@ def _child(job_path: str, results_path: str) -> None:
                      f"{_where(symbols, session.cpu.state.rip)}")
             outcomes.append((fault, b""))
         else:
-            outcomes.append((None, bytes(memory.virt_read(cr3, ARENA, len(arena)))))
+            outcomes.append((None, bytes(memory.virt_read(cr3, ARENA, len(arena) + _GUARD))))
     Path(results_path).write_bytes(pickle.dumps(outcomes))
-    sys.stdout.flush()
     os._exit(0)  # skips the bindings' teardown, which crashes
 
 
-def _set_model(bochscpu, index: int) -> None:
+def _set_model(bochscpu: ModuleType, index: int) -> None:
     """Writes the CPU model's index into Bochs's setting (see MODELS), before any CPU exists."""
     library = ctypes.CDLL(bochscpu._bochscpu.__file__)
     get_enum = library._ZN13bx_real_sim_c14get_param_enumEPKcP10bx_param_c

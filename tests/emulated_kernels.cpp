@@ -1,6 +1,7 @@
 // The kernels' AVX-512 paths as plain functions, for tests/emulated_cpu.py to run on an
-// emulated CPU. Built with g++ into a static image with no C library: the kernel sources are
-// included as they are, and each entry point takes one struct of pointers into the arena.
+// emulated CPU. Built with g++ into a static image with no C library (emulated_libc.cpp has
+// the little it needs): the kernel sources are included as they are, and each entry point
+// takes one struct of pointers into the arena, whose layout test_emulated_avx512.py packs.
 
 #include <cpuid.h>
 
@@ -13,33 +14,6 @@
 
 extern "C" {
 
-// GCC may call these for copies and fills; nothing else of a C library is used. The attribute
-// keeps it from compiling the loops back into calls to themselves.
-#define RS_PLAIN_LOOP __attribute__((optimize("no-tree-loop-distribute-patterns")))
-
-RS_PLAIN_LOOP void* memcpy(void* to, const void* from, size_t n) {
-  auto* d = static_cast<unsigned char*>(to);
-  const auto* s = static_cast<const unsigned char*>(from);
-  for (size_t i = 0; i < n; ++i) d[i] = s[i];
-  return to;
-}
-
-RS_PLAIN_LOOP void* memmove(void* to, const void* from, size_t n) {
-  auto* d = static_cast<unsigned char*>(to);
-  const auto* s = static_cast<const unsigned char*>(from);
-  if (d < s)
-    for (size_t i = 0; i < n; ++i) d[i] = s[i];
-  else
-    for (size_t i = n; i > 0; --i) d[i - 1] = s[i - 1];
-  return to;
-}
-
-RS_PLAIN_LOOP void* memset(void* to, int value, size_t n) {
-  auto* d = static_cast<unsigned char*>(to);
-  for (size_t i = 0; i < n; ++i) d[i] = static_cast<unsigned char>(value);
-  return to;
-}
-
 // out = eax, ebx, ecx, edx of CPUID (leaf, subleaf): what the emulated CPU says it has.
 void rs_cpuid(uint32_t leaf, uint32_t subleaf, uint32_t* out) {
   __cpuid_count(leaf, subleaf, out[0], out[1], out[2], out[3]);
@@ -48,7 +22,7 @@ void rs_cpuid(uint32_t leaf, uint32_t subleaf, uint32_t* out) {
 // panel_avx512 over every panel of a packed weight, rows of x taken `chunk` at a time as
 // gguf_linear does: out[panel][row][lane], the accumulators as the path leaves them.
 struct GgufCall {
-  int64_t ggml_type, panel_count, panel_bytes, m, k, chunk;
+  int64_t ggml_type, panel_count, panel_stride, m, k, chunk;
   const uint8_t* panels;
   const int8_t* q;
   const float* dx;
@@ -59,6 +33,8 @@ struct GgufCall {
   float* out;
 };
 
+static_assert(sizeof(GgufCall) == 112 && offsetof(GgufCall, out) == 104, "packed as <6q8Q");
+
 void rs_gguf_panels(const GgufCall* c) {
   using namespace radixserve::gguf;
   const Format* f = format_of(c->ggml_type);
@@ -66,10 +42,14 @@ void rs_gguf_panels(const GgufCall* c) {
   for (int64_t p = 0; p < c->panel_count; ++p)
     for (int64_t r0 = 0; r0 < c->m; r0 += c->chunk) {
       const int64_t rows = c->m - r0 < c->chunk ? c->m - r0 : c->chunk;
-      panel_avx512(*f, c->panels + p * c->panel_bytes, a, r0, rows,
+      panel_avx512(*f, c->panels + p * c->panel_stride, a, r0, rows,
                    c->out + (p * c->m + r0) * kRows);
     }
 }
+
+static_assert(sizeof(radixserve::skinny_float::Problem) == 48 &&
+                  offsetof(radixserve::skinny_float::Problem, out) == 40,
+              "packed as <Q3qQQ");
 
 // skinny_float's AVX-512 path over panels [p0, p1) of w, whose type is 0 float32, 1 float16
 // or 2 bfloat16.
@@ -100,6 +80,8 @@ struct AttendCall {
   float* totals;
   void* out;
 };
+
+static_assert(sizeof(AttendCall) == 112 && offsetof(AttendCall, out) == 104, "packed as <5qd8Q");
 
 void rs_attend(const AttendCall* c) {
   using radixserve::attention::attend_avx512;

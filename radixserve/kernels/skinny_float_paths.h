@@ -234,3 +234,5 @@ void run_panels(const Problem& pr, const T* w, int64_t path, int64_t p0, int64_t
 }
 
 }  // namespace radixserve::skinny_float
+
+#undef RS_UNROLL
