@@ -11,6 +11,7 @@
 #include "decode_attention_avx512.h"
 #include "gguf_matmul_avx512.cpp"
 #include "skinny_float_paths.h"
+#include "skinny_matmul_avx512bf16.h"
 
 extern "C" {
 
@@ -109,6 +110,14 @@ void rs_attend(const AttendCall* c) {
     (c->dim == 64 ? attend_avx512<float, 64> : attend_avx512<float, 128>)(
         q, k, v, c->slots, c->n, c->groups, scale, c->scores, out);
   }
+}
+
+// skinny_matmul's AVX512-BF16 path: out [m, n] float32 = x [m, k] @ w [n, k]^T, both
+// bfloat16, over blocks of 16 output rows as the op's threads take them.
+void rs_skinny_matmul(const c10::BFloat16* x, const c10::BFloat16* w, int64_t m, int64_t k,
+                      int64_t n, float* out) {
+  for (int64_t block = 0; block < n / 16; ++block)
+    radixserve::skinny_matmul::rows_block(x, w, m, k, n, block * 16, out);
 }
 
 }  // extern "C"

@@ -1,8 +1,9 @@
 """The kernels' AVX-512 paths on an emulated Sapphire Rapids CPU (tests/emulated_cpu.py), on any
 x86-64 machine: the GGUF matmul's AVX-512 VNNI path and skinny_float's AVX-512 path must give
-the portable path's bits, as on real hardware, and the attention kernel's AVX-512 and
-AVX512-BF16 row functions must match float64 (test_gguf_kernels, test_skinny_float and
-test_paged_attention run them natively where the CPU has AVX-512). The matmuls' oracle runs
+the portable path's bits, as on real hardware; the attention kernel's AVX-512 and AVX512-BF16
+row functions and skinny_matmul's AVX512-BF16 tiles must match float64 (test_gguf_kernels,
+test_skinny_float, test_paged_attention and test_kernels run them natively where the CPU has
+AVX-512). The matmuls' oracle runs
 natively: the same inputs through the library's portable path. One image build per module and
 one emulator process per test.
 """
@@ -191,3 +192,25 @@ def test_attention_avx512_paths_match_float64(image: Path, path: int, dtype: tor
             got = read(after, out, (groups, dim), np.float32).astype(np.float64)
         error = np.abs(got - want).max()
         assert error < tolerance, f"dim={dim} groups={groups} n={n}: off by {error}"
+
+
+def test_skinny_matmul_avx512_bf16_path_matches_float64(image: Path):
+    """The bfloat16 matmul (vdpbf16ps) for row counts that take every tile (8, 4, 2 and 1 rows
+    of x: 7 = 4 + 2 + 1, 13 = 8 + 4 + 1, 48 = 6 x 8), against float64 products of the same
+    bfloat16 values: only the float32 order of the sums may differ."""
+    n, k = 48, 96
+    calls, cases = [], []
+    for m in [1, 2, 3, 4, 7, 8, 13, 48]:
+        gen = torch.Generator().manual_seed(m)
+        x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+        w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+        arena = Arena()
+        out = arena.output((m, n), np.float32)
+        args = (arena.put(x.view(torch.int16).numpy()), arena.put(w.view(torch.int16).numpy()),
+                m, k, n, out)
+        calls.append(Call("rs_skinny_matmul", args, arena))
+        x64, w64 = x.double().numpy(), w.double().numpy()
+        cases.append((m, out, x64 @ w64.T, np.abs(x64) @ np.abs(w64).T))
+    for after, (m, out, want, scale) in zip(emulated_cpu.run(image, calls), cases, strict=True):
+        got = read(after, out, (m, n), np.float32).astype(np.float64)
+        assert (np.abs(got - want) <= 1e-5 * scale).all(), f"M={m}"
