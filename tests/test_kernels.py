@@ -43,7 +43,7 @@ def test_library_builds_here_and_reports_the_cpu_level():
 
 needs_bf16_dot = pytest.mark.skipif(
     MATMUL is None, reason="the skinny matmul needs AVX512-BF16 (checked against the CPU's "
-    "flags in test_kernel_builds_here_and_reports_the_cpu_level; its tiles also run on an "
+    "flags in test_library_builds_here_and_reports_the_cpu_level; its tiles also run on an "
     "emulated CPU in test_emulated_avx512.py)")
 
 

@@ -7,6 +7,7 @@
 
 #include <c10/util/BFloat16.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -15,6 +16,9 @@
 
 #ifdef RS_X86
 namespace radixserve::attention {
+// Internal linkage, as when this code lived in its .cpp file: GCC then inlines the functions
+// called once, and the op's machine code is what it was measured as.
+namespace {
 
 RS_AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 RS_AVX512 inline __m512 load16(const c10::BFloat16* p) {
@@ -69,7 +73,8 @@ RS_AVX512 inline float max_of(const float* s, int64_t n) {
   return m;
 }
 
-// The same as attend_portable, 16 floats at a time; D (head_dim) is a multiple of 16.
+// The same as decode_attention.cpp's attend_portable, 16 floats at a time; D (head_dim) is a
+// multiple of 16.
 template <typename T, int D>
 RS_AVX512 void attend_avx512(const float* q, const T* keys, const T* values,
                              const int32_t* slots, int64_t n, int64_t groups, float scale,
@@ -151,6 +156,7 @@ RS_AVX512BF16 void weigh_values_bf16(const uint16_t* probs, int64_t stride, cons
   }
 }
 
+// Scratch: scores [groups * n], probs [groups * (n + 2)], total [groups].
 template <int D>
 RS_AVX512BF16 void attend_bf16(const c10::BFloat16* q, const c10::BFloat16* keys,
                                const c10::BFloat16* values, const int32_t* slots, int64_t n,
@@ -202,5 +208,6 @@ RS_AVX512BF16 void attend_bf16(const c10::BFloat16* q, const c10::BFloat16* keys
                             out + g * D);
 }
 
+}  // namespace
 }  // namespace radixserve::attention
 #endif

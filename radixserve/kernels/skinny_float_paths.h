@@ -14,6 +14,9 @@
 #include "vector.h"
 
 namespace radixserve::skinny_float {
+// Internal linkage, as when this code lived in its .cpp file: GCC then inlines the functions
+// called once, and the op's machine code is what it was measured as.
+namespace {
 
 constexpr int64_t kPanel = 16;  // output rows per panel
 
@@ -233,6 +236,7 @@ void run_panels(const Problem& pr, const T* w, int64_t path, int64_t p0, int64_t
   panels_portable(pr, w, p0, p1);
 }
 
+}  // namespace
 }  // namespace radixserve::skinny_float
 
-#undef RS_UNROLL
+#undef RS_UNROLL  // a pragma for the loops above, not for the includer

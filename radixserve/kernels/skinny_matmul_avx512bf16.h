@@ -12,6 +12,9 @@
 
 #ifdef RS_X86
 namespace radixserve::skinny_matmul {
+// Internal linkage, as when this code lived in its .cpp file: GCC then inlines the functions
+// called once, and the op's machine code is what it was measured as.
+namespace {
 
 constexpr int64_t kPrefetchRows = 16;
 
@@ -49,7 +52,7 @@ RS_AVX512BF16 inline void tile(const c10::BFloat16* x, const c10::BFloat16* w, i
 
 // Output rows [n0, n0 + 16) for every row of x: the widest tiles first; later passes find
 // the block's weights (16 rows, 18 KB at K = 576) in L1.
-RS_AVX512BF16 inline void rows_block(const c10::BFloat16* x, const c10::BFloat16* w,
+RS_AVX512BF16 void rows_block(const c10::BFloat16* x, const c10::BFloat16* w,
                                      int64_t m_rows, int64_t k, int64_t n, int64_t n0,
                                      float* out) {
   int64_t m = 0;
@@ -62,5 +65,6 @@ RS_AVX512BF16 inline void rows_block(const c10::BFloat16* x, const c10::BFloat16
   if (m < m_rows) tile<16, 1>(x, w, k, n0, m, out, n);
 }
 
+}  // namespace
 }  // namespace radixserve::skinny_matmul
 #endif
