@@ -144,8 +144,8 @@ def run(image: Path, calls: list[Call], model: str = "sapphire_rapids",
     after its call. Raises EmulationFault where a call faults."""
     with tempfile.TemporaryDirectory(prefix="emulated-") as folder:
         job, results = Path(folder) / "job.pkl", Path(folder) / "results.pkl"
-        arenas = [(call.function, call.args, bytes(call.arena.data)) for call in calls]
-        job.write_bytes(pickle.dumps((str(image), MODELS[model], arenas)))
+        jobs = [(call.function, call.args, bytes(call.arena.data)) for call in calls]
+        job.write_bytes(pickle.dumps((str(image), MODELS[model], jobs)))
         env = dict(os.environ)
         if not hasattr(ctypes.CDLL(None), "__isoc23_strtoull"):
             env["RS_GLIBC_SHIM"] = str(_glibc_shim(Path(folder)))
@@ -155,13 +155,15 @@ def run(image: Path, calls: list[Call], model: str = "sapphire_rapids",
             raise RuntimeError(f"the emulator's process failed ({done.returncode}):\n"
                                f"{done.stderr[-4000:]}")
         outcomes = pickle.loads(results.read_bytes())
+    arenas = []
     for call, (fault, after) in zip(calls, outcomes, strict=True):
         if fault:
             raise EmulationFault(f"{call.function}: {fault}")
         if (offset := _written_outside(call.arena, after)) is not None:
             raise EmulationFault(f"{call.function} wrote outside its outputs, at arena offset "
                                  f"{offset} of {len(call.arena.data)}")
-    return [after[:len(call.arena.data)] for call, (_, after) in zip(calls, outcomes, strict=True)]
+        arenas.append(after[:len(call.arena.data)])
+    return arenas
 
 
 def _written_outside(arena: Arena, after: bytes) -> int | None:
