@@ -259,7 +259,8 @@ def test_vector_paths_equal_the_portable_path_bitwise(kind, path):
     n, k = _shapes(kind)[0]
     raw, _ = _weights(n, k, kind, seed=3)
     bias = torch.randn(n)
-    # (Q6_K unpacks a superblock once for chunks of 24 rows or more: 27 is tiles of 4, 2, 1.)
+    # (On AVX2, Q4_K unpacks a superblock once for chunks of 8 rows or more and Q6_K for 24
+    # or more; 7 and 27 are tiles of 4, 2, 1 on either side.)
     for m in (1, 2, 3, 4, 5, 6, 7, 8, 17, 24, 27, 300):
         for dtype in (torch.float32, torch.bfloat16):
             x = torch.randn(m, k).to(dtype)
