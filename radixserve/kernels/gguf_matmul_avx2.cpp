@@ -583,11 +583,11 @@ RS_AVX2 void q6k_panel_rows(const uint8_t* panel, const QuantizedRows& a, int64_
 // Q4_K with many activation rows: each superblock's nibbles are unpacked once into bytes by
 // sub-block (unit t of sub-block s = weights 32s+4t.. of the 16 rows, 4 KB, in L1) and its
 // scales and mins into the int16 pairs vpmaddwd takes, which every tile of rows then reads.
-// A tile takes both halves of the panel per activation broadcast and never unpacks: per 32
-// weights of a row one broadcast, two vpmaddubsw and two adds, against the tile of q4k_sums'
-// extra unpack, scale widening and second broadcast per half (q4k_sums' loads of both
-// nibbles of a unit are shared by only its four rows). The integers, and so the float steps
-// and bits, are q4k_sums'.
+// A tile takes both halves of the panel per activation broadcast and never unpacks: per 4
+// activations of a row (against the 16 panel rows) one broadcast, two vpmaddubsw and two
+// adds. q4k_sums' tiles each unpack the nibbles and widen the scales again (work shared by
+// only their four rows) and broadcast the activations once per half. The integers, and so
+// the float steps and bits, are q4k_sums'.
 struct Q4kUnpacked {
   alignas(64) uint8_t values[8][8][kUnit];  // [sub-block][t][row][4 weights]
   alignas(32) int32_t scales[8][kRows];     // (sc, sc) int16 pairs, rows 8h.. at [s][8h]
@@ -624,6 +624,7 @@ RS_AVX2 inline void q4k_block_rows(const uint8_t* block, const Q4kUnpacked& u,
   const int8_t* q[R];
   for (int r = 0; r < R; ++r) q[r] = a.q + (r0 + r) * a.k + 256 * b;
   __m256i total[R][2];
+  for (int r = 0; r < R; ++r) total[r][0] = total[r][1] = _mm256_setzero_si256();
   for (int s = 0; s < 8; ++s) {
     __m256i pairs[R][2];
     #pragma GCC unroll 8
@@ -642,8 +643,7 @@ RS_AVX2 inline void q4k_block_rows(const uint8_t* block, const Q4kUnpacked& u,
     for (int h = 0; h < 2; ++h) {
       const __m256i sc = load_pairs(u.scales[s] + 8 * h);
       for (int r = 0; r < R; ++r) {
-        const __m256i weighed = _mm256_madd_epi16(pairs[r][h], sc);
-        total[r][h] = s == 0 ? weighed : _mm256_add_epi32(total[r][h], weighed);
+        total[r][h] = _mm256_add_epi32(total[r][h], _mm256_madd_epi16(pairs[r][h], sc));
       }
     }
   }
