@@ -482,7 +482,7 @@ struct Q6kUnpacked {
   alignas(32) int32_t offsets[8][kRows];  // (sc_2p, sc_2p+1) int16 pairs
 };
 
-RS_AVX2 inline void q6k_unpack(const uint8_t* block, Q6kUnpacked& u) {
+RS_AVX2 inline void unpack(const uint8_t* block, Q6kUnpacked& u) {
   const uint8_t* units = block + kQ6_K.units_at;
   for (int half = 0; half < 2; ++half)
     for (int v = 0; v < 8; ++v)
@@ -515,8 +515,8 @@ RS_AVX2 inline __m256i load_pairs(const int32_t* p) {
 // One superblock b of rows [r0, r0 + R) from its unpacked values, added to acc (the rows'
 // float sums so far, acc[r * 16 + lane]).
 template <int R>
-RS_AVX2 inline void q6k_block_rows(const uint8_t* block, const Q6kUnpacked& u,
-                                   const QuantizedRows& a, int64_t r0, int64_t b, float* acc) {
+RS_AVX2 inline void block_rows(const uint8_t* block, const Q6kUnpacked& u,
+                               const QuantizedRows& a, int64_t r0, int64_t b, float* acc) {
   const int8_t* q[R];
   const int16_t* sums16[R];
   for (int r = 0; r < R; ++r) {
@@ -561,25 +561,6 @@ RS_AVX2 inline void q6k_block_rows(const uint8_t* block, const Q6kUnpacked& u,
   }
 }
 
-RS_AVX2 void q6k_panel_rows(const uint8_t* panel, const QuantizedRows& a, int64_t r0,
-                            int64_t rows, float* acc) {
-  Q6kUnpacked unpacked;
-  constexpr int64_t stride = kQ6_K.panel_bytes;
-  std::fill(acc, acc + rows * kRows, 0.f);
-  for (int64_t b = 0; b < a.blocks; ++b) {
-    const uint8_t* block = panel + b * stride;
-    for (int64_t line = 0; line < stride; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(block + kAheadK * stride + line), _MM_HINT_T0);
-    q6k_unpack(block, unpacked);
-    int64_t r = 0;
-    for (; r + 4 <= rows; r += 4)
-      q6k_block_rows<4>(block, unpacked, a, r0 + r, b, acc + r * kRows);
-    for (; r + 2 <= rows; r += 2)
-      q6k_block_rows<2>(block, unpacked, a, r0 + r, b, acc + r * kRows);
-    for (; r < rows; ++r) q6k_block_rows<1>(block, unpacked, a, r0 + r, b, acc + r * kRows);
-  }
-}
-
 // Q4_K with many activation rows: each superblock's nibbles are unpacked once into bytes by
 // sub-block (unit t of sub-block s = weights 32s+4t.. of the 16 rows, 4 KB, in L1) and its
 // scales and mins into the int16 pairs vpmaddwd takes, which every tile of rows then reads.
@@ -594,7 +575,7 @@ struct Q4kUnpacked {
   alignas(32) int32_t mins[4][kRows];       // (m_2p, m_2p+1) int16 pairs
 };
 
-RS_AVX2 inline void q4k_unpack(const uint8_t* block, Q4kUnpacked& u) {
+RS_AVX2 inline void unpack(const uint8_t* block, Q4kUnpacked& u) {
   const __m256i low = _mm256_set1_epi8(0x0F);
   const uint8_t* units = block + kQ4_K.units_at;
   for (int c = 0; c < 4; ++c)
@@ -619,8 +600,8 @@ RS_AVX2 inline void q4k_unpack(const uint8_t* block, Q4kUnpacked& u) {
 // One superblock b of rows [r0, r0 + R) from its unpacked values, added to acc (the rows'
 // float sums so far, acc[r * 16 + lane]).
 template <int R>
-RS_AVX2 inline void q4k_block_rows(const uint8_t* block, const Q4kUnpacked& u,
-                                   const QuantizedRows& a, int64_t r0, int64_t b, float* acc) {
+RS_AVX2 inline void block_rows(const uint8_t* block, const Q4kUnpacked& u,
+                               const QuantizedRows& a, int64_t r0, int64_t b, float* acc) {
   const int8_t* q[R];
   for (int r = 0; r < R; ++r) q[r] = a.q + (r0 + r) * a.k + 256 * b;
   __m256i total[R][2];
@@ -670,22 +651,23 @@ RS_AVX2 inline void q4k_block_rows(const uint8_t* block, const Q4kUnpacked& u,
   }
 }
 
-RS_AVX2 void q4k_panel_rows(const uint8_t* panel, const QuantizedRows& a, int64_t r0,
-                            int64_t rows, float* acc) {
-  Q4kUnpacked unpacked;
-  constexpr int64_t stride = kQ4_K.panel_bytes;
+// A K-quant's panel for many activation rows: each superblock unpacked once (Q4kUnpacked or
+// Q6kUnpacked), then read by every tile of rows.
+template <Kind K, class Unpacked>
+RS_AVX2 void unpacked_panel_rows(const uint8_t* panel, const QuantizedRows& a, int64_t r0,
+                                 int64_t rows, float* acc) {
+  Unpacked unpacked;
+  constexpr int64_t stride = format_for<K>().panel_bytes;
   std::fill(acc, acc + rows * kRows, 0.f);
   for (int64_t b = 0; b < a.blocks; ++b) {
     const uint8_t* block = panel + b * stride;
     for (int64_t line = 0; line < stride; line += 64)
       _mm_prefetch(reinterpret_cast<const char*>(block + kAheadK * stride + line), _MM_HINT_T0);
-    q4k_unpack(block, unpacked);
+    unpack(block, unpacked);
     int64_t r = 0;
-    for (; r + 4 <= rows; r += 4)
-      q4k_block_rows<4>(block, unpacked, a, r0 + r, b, acc + r * kRows);
-    for (; r + 2 <= rows; r += 2)
-      q4k_block_rows<2>(block, unpacked, a, r0 + r, b, acc + r * kRows);
-    for (; r < rows; ++r) q4k_block_rows<1>(block, unpacked, a, r0 + r, b, acc + r * kRows);
+    for (; r + 4 <= rows; r += 4) block_rows<4>(block, unpacked, a, r0 + r, b, acc + r * kRows);
+    for (; r + 2 <= rows; r += 2) block_rows<2>(block, unpacked, a, r0 + r, b, acc + r * kRows);
+    for (; r < rows; ++r) block_rows<1>(block, unpacked, a, r0 + r, b, acc + r * kRows);
   }
 }
 
@@ -704,11 +686,11 @@ RS_AVX2 void rows_of_panel(const uint8_t* panel, const QuantizedRows& a, int64_t
                            int64_t rows, float* acc) {
   if constexpr (K == Kind::q6k) {
     // Below ~24 rows the unpack is shared by too few tiles (measured slower at 8, even at 16).
-    if (rows >= 24) return q6k_panel_rows(panel, a, r0, rows, acc);
+    if (rows >= 24) return unpacked_panel_rows<K, Q6kUnpacked>(panel, a, r0, rows, acc);
   }
   if constexpr (K == Kind::q4k) {
     // From 8 rows the unpack pays for itself (16 rows 5-15% faster, 512 rows ~20%; 8 even).
-    if (rows >= 8) return q4k_panel_rows(panel, a, r0, rows, acc);
+    if (rows >= 8) return unpacked_panel_rows<K, Q4kUnpacked>(panel, a, r0, rows, acc);
   }
   // Tiles of four rows share each block's unpacked (K-quants) or loaded and, for Q8_0,
   // sign-stripped weights among more rows: for the block-32 formats 7-16% faster than tiles
