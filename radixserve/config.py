@@ -31,6 +31,12 @@ MATMUL_BACKENDS = ("auto", "kernel", "skinny-float", "widen", "torch")
 # turn last-bit differences into different roundings); where the kernels cannot run (CUDA,
 # float16, no compiler) auto dequantizes, as none does, and says so in the log.
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
+# Waiting one step saves the shared tokens' compute and costs about one step's fixed overhead
+# (the other requests' work in that step is done before the waiter's first token either way).
+# A CPU step is compute-bound from a few dozen tokens up, so a chat template's header and a
+# short system prompt already pay for it (BENCHMARKS.md, the concurrent short requests); on a
+# GPU a few tokens cost next to nothing and the step's overhead dominates.
+DEDUP_MIN_TOKENS = {"cpu": 8, "cuda": 32}
 
 
 @dataclass
@@ -51,9 +57,9 @@ class EngineConfig:
     # lpm: a request that has waited this long is admitted in arrival order, cache-cold or not.
     lpm_max_wait_s: float = 2.0
     lpm_scan_limit: int = 128  # lpm sorts at most this many waiting requests per step
-    # Waiting requests sharing an uncached prefix at least this long wait for its first
-    # prefill instead of computing it again.
-    dedup_min_tokens: int = 32
+    # Waiting requests sharing an uncached prefix at least this long with a running prefill
+    # wait one step for it instead of computing it again. None: DEDUP_MIN_TOKENS by device.
+    dedup_min_tokens: int | None = None
     max_pinned_fraction: float = 0.5  # cap on KV held by TTL pins (cache_control)
     attention_backend: str = "auto"  # decode attention; see ATTENTION_BACKENDS
     prefill_attention_backend: str = "auto"  # see PREFILL_ATTENTION_BACKENDS
@@ -110,6 +116,8 @@ class EngineConfig:
         need(self.kv_cache_memory_gb > 0, "kv_cache_memory_gb must be > 0")
         need(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
         need(self.max_num_batched_tokens >= 16, "max_num_batched_tokens must be >= 16")
+        need(self.dedup_min_tokens is None or self.dedup_min_tokens >= 1,
+             f"dedup_min_tokens must be >= 1 (or None: by device), got {self.dedup_min_tokens}")
         need(self.kv_offload_gb > 0, "kv_offload_gb must be > 0")
         need(self.kv_offload_queue_mb > 0, "kv_offload_queue_mb must be > 0")
         need(self.kv_offload_block_tokens >= 1

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from radixserve.cache import make_prefix_cache
 from radixserve.config import EngineConfig
 from radixserve.engine.kv_pool import PageAllocator
@@ -21,12 +23,13 @@ class FakeClock:
         return self.now
 
 
-def _scheduler(pool_tokens: int = 4096, **settings) -> tuple[Scheduler, FakeClock]:
+def _scheduler(pool_tokens: int = 4096, device_type: str = "cpu",
+               **settings) -> tuple[Scheduler, FakeClock]:
     config = EngineConfig(show_progress=False, **settings)
     clock = FakeClock()
     allocator = PageAllocator(pool_tokens // config.page_size, config.page_size)
     cache = make_prefix_cache(config.prefix_cache, config.page_size, allocator.release, clock=clock)
-    return Scheduler(config, allocator, cache, clock), clock
+    return Scheduler(config, allocator, cache, clock, device_type=device_type), clock
 
 
 def _request(rid: str, tokens: list[int], clock: FakeClock, max_tokens: int = 2) -> Request:
@@ -111,6 +114,37 @@ def test_shared_uncached_prefix_is_computed_once():
     assert set(second) == set(requests[1:])  # ...then hit it
     assert all(r.num_cached_tokens == 1000 for r in requests[1:])
     _drain(scheduler)
+
+
+@pytest.mark.parametrize(("device_type", "settings", "waits"), [
+    ("cpu", {}, True),  # a 12-token header is worth a step on a CPU
+    ("cuda", {}, False),  # not on a GPU
+    ("cpu", {"dedup_min_tokens": 13}, False),  # an explicit setting wins
+    ("cuda", {"dedup_min_tokens": 12}, True),
+])
+def test_short_shared_header_waits_by_device(device_type: str, settings: dict,
+                                             waits: bool) -> None:
+    scheduler, clock = _scheduler(device_type=device_type, **settings)
+    header = list(range(1000, 1012))
+    requests = [_request(f"r{i}", header + list(range(2000 + 50 * i, 2040 + 50 * i)), clock)
+                for i in range(8)]
+    for r in requests:
+        scheduler.add(r)
+    first = _step(scheduler)
+    if waits:
+        assert first == [requests[0]]
+        assert set(_step(scheduler)) == set(requests[1:])
+        assert [r.num_cached_tokens for r in requests] == [0] + [12] * 7
+    else:
+        assert first == requests
+        assert [r.num_cached_tokens for r in requests] == [0] * 8
+    _drain(scheduler)
+    _check_balance(scheduler)
+
+
+def test_dedup_min_tokens_is_validated() -> None:
+    with pytest.raises(ValueError, match="dedup_min_tokens"):
+        EngineConfig(show_progress=False, dedup_min_tokens=0)
 
 
 def test_preemption_releases_and_requeues_without_leaks():

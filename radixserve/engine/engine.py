@@ -85,7 +85,7 @@ class LLMEngine:
         attention = build_attention(config, mc, self.pool.num_slots, self.device, self.dtype)
         self.offload = self._kv_offload(attention.name) if config.kv_offload_dir else None
         self.scheduler = Scheduler(config, self.pool.allocator, self.cache, clock,
-                                   tier=self.offload)
+                                   tier=self.offload, device_type=self.device.type)
         # Requests without a seed of their own draw from this one generator (vLLM's rule).
         generator = torch.Generator().manual_seed(config.seed)
         self.runner = ModelRunner(self.model, self.pool, attention, self.device, generator)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from radixserve.cache.base import PrefixCache
-from radixserve.config import EngineConfig
+from radixserve.config import DEDUP_MIN_TOKENS, EngineConfig
 from radixserve.engine.kv_pool import OutOfSlots, PageAllocator
 from radixserve.engine.request import Request, RequestStatus
 from radixserve.outputs import FinishReason
@@ -118,8 +118,11 @@ class Scheduler:
         cache: PrefixCache,
         clock: Callable[[], float] = time.monotonic,
         tier: KVTier | None = None,
+        device_type: str = "cpu",
     ) -> None:
         self.config = config
+        self.dedup_min_tokens = (config.dedup_min_tokens if config.dedup_min_tokens is not None
+                                 else DEDUP_MIN_TOKENS[device_type])
         self.allocator = allocator
         self.cache = cache
         self.page_size = allocator.page_size
@@ -299,7 +302,7 @@ class Scheduler:
         """
         if not self.cache.stores_slots or request.needs_prompt_logprobs:
             return False
-        need = self.config.dedup_min_tokens
+        need = self.dedup_min_tokens
         tokens = request.token_ids
         for other in [*self.running, *self.loading]:
             if other.namespace != request.namespace or not other.is_prefilling:
