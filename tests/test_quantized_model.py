@@ -4,6 +4,7 @@ quantized blocks (`quantization="auto"`) against the dequantized reference
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from pathlib import Path
@@ -132,6 +133,44 @@ def test_the_decoder_stack_gives_the_python_layers_bits(which, request, monkeypa
     assert max(rows for _, _, rows in ran) > 256
     monkeypatch.setattr(model, "stack", None)
     assert (generate(PROMPTS, 24), generate([long_prompt, PROMPTS[0]], 2048)) == stacked
+
+
+@pytest.mark.parametrize("which", ["quantized", "reference"])
+@pytest.mark.parametrize("stacked", [True, False], ids=["c++ stack", "python layers"])
+def test_the_last_layer_runs_only_for_the_rows_read(which, stacked, request, monkeypatch):
+    # Rows nobody reads (a prompt's rows before its last, a mid-prompt chunk) stop in the last
+    # layer once their K/V is written: hidden_states returns only the rows sampled from or
+    # scoring prompt tokens, bit for bit what the whole last layer gives them.
+    llm = request.getfixturevalue(which)
+    model = llm.engine.model
+    if not stacked:
+        monkeypatch.setattr(model, "stack", None)
+    elif model.stack is None:
+        pytest.skip(f"{model.linear_method.name} has no C++ form here: no stack to test")
+    hidden_states = model.hidden_states
+    steps: list[tuple[int, int]] = []  # (rows in the step, rows returned)
+
+    def checked(batch, caches):
+        out = hidden_states(batch, caches)
+        whole = hidden_states(dataclasses.replace(batch, output_rows=None), caches)
+        rows = batch.output_rows
+        assert torch.equal(out, whole if rows is None else whole[rows])
+        steps.append((whole.shape[0], out.shape[0]))
+        return out
+
+    monkeypatch.setattr(model, "hidden_states", checked)
+    monkeypatch.setattr(llm.engine.config, "max_num_batched_tokens", 24)
+    llm.engine.cache.reset()
+    long_prompt = " ".join(PROMPTS[-1:] * 2)  # about 60 tokens: chunks with no row read
+    greedy = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    scored = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, prompt_logprobs=2)
+    outs = llm.generate([long_prompt, PROMPTS[0], PROMPTS[2]], [greedy, scored, greedy],
+                        use_tqdm=False)
+    assert (0 < len(outs[1].prompt_logprobs or ())
+            == len(llm.tokenizer.encode(PROMPTS[0])))  # its prompt rows were all returned
+    assert any(returned == 0 for _, returned in steps)  # a chunk that only wrote K/V
+    assert any(0 < returned < rows for rows, returned in steps)  # prefill tails, decodes
+    assert all(returned <= rows for rows, returned in steps)
 
 
 def test_bfloat16_activations_run_on_the_same_blocks(bf16, quantized):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import torch
@@ -111,12 +111,26 @@ class ModelRunner:
                 logit_rows.append(len(ids) - 1)
                 wants_logits.append(request)
         layout = StepLayout(decodes, prefills, self._tensor(write_slots))
+        # The last layer runs only for the rows something reads: those sampled from and those
+        # scoring prompt tokens. The others' K/V is all the step keeps of them.
+        wanted = sorted({*logit_rows, *(row for span in prompt_spans
+                                        for row in range(span.first_row,
+                                                         span.first_row + span.count))})
+        output_rows = None
+        if len(wanted) < len(ids):
+            # Row indices become indices into the hidden states returned; a span's rows stay
+            # adjacent, since all of them are kept and in order.
+            at = {row: i for i, row in enumerate(wanted)}
+            logit_rows = [at[row] for row in logit_rows]
+            prompt_spans = [replace(span, first_row=at[span.first_row]) for span in prompt_spans]
+            output_rows = self._tensor(wanted)
         batch = ForwardBatch(
             input_ids=self._tensor(ids),
             positions=self._tensor(positions),
             logit_rows=self._tensor(logit_rows),
             attention=self.attention,
             attention_plan=self.attention.plan(layout),
+            output_rows=output_rows,
         )
         return StepBatch(batch, wants_logits, prompt_spans)
 

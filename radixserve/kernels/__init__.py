@@ -100,7 +100,8 @@ def decoder_stack(heads: int, kv_heads: int, head_dim: int, eps: float,
                   scale: float) -> torch.ScriptObject | None:
     """An empty `torch.classes.radixserve.DecoderStack` (decoder_stack.cpp), None where the
     kernels cannot be built: a model's decoder layers run by one call, `forward(x, cos, sin,
-    k_caches, v_caches, write_slots, slots, begins, lengths, attention_path)`, after
+    k_caches, v_caches, write_slots, slots, begins, lengths, attention_path, output_rows)`
+    (output_rows: the rows whose last-layer output it returns, None for all), after
     `add_projection` (qkv, o, gate_up, down) and `add_norms` for each layer."""
     if not _library():
         return None

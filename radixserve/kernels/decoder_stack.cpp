@@ -100,19 +100,21 @@ class DecoderStack : public torch::CustomClassHolder {
   int64_t num_layers() const { return static_cast<int64_t>(norms_.size()); }
 
   // The decoder layers over the step's embedded tokens x [T, hidden]: returns the last layer's
-  // output before the final norm (LlamaModel.hidden_states). Row t's new K/V go to slot
-  // write_slots[t] of each layer's caches, and row t attends to slots[begins[t] : begins[t] +
-  // lengths[t]] (paged_attention's arguments, for every row of the step).
+  // output before the final norm (LlamaModel.hidden_states) for rows output_rows (all where
+  // undefined). Row t's new K/V go to slot write_slots[t] of each layer's caches, and row t
+  // attends to slots[begins[t] : begins[t] + lengths[t]] (paged_attention's arguments, for
+  // every row of the step).
   at::Tensor forward(at::Tensor x, at::Tensor cos, at::Tensor sin,
                      std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches,
                      at::Tensor write_slots, at::Tensor slots, at::Tensor begins,
-                     at::Tensor lengths, int64_t attention_path) {
+                     at::Tensor lengths, int64_t attention_path,
+                     c10::optional<at::Tensor> output_rows) {
     const int64_t layers = num_layers();
     TORCH_CHECK_VALUE(static_cast<int64_t>(k_caches.size()) == layers &&
                           static_cast<int64_t>(v_caches.size()) == layers,
                       "one K and one V cache per layer (", layers, ")");
     TORCH_CHECK_VALUE(x.dim() == 2, "x: [T, hidden]");
-    const int64_t tokens = x.size(0);
+    int64_t tokens = x.size(0);
     at::Tensor residual = x.contiguous(), h;
     for (int64_t i = 0; i < layers; ++i) {
       const auto& [input_norm, post_norm] = norms_[i];
@@ -127,10 +129,19 @@ class DecoderStack : public torch::CustomClassHolder {
       rotary_.call(qkv, cos, sin, heads_ + kv_heads_);
       write_kv_.call(k_caches[i], v_caches[i], write_slots, qkv.narrow(1, heads_, kv_heads_),
                      qkv.narrow(1, heads_ + kv_heads_, kv_heads_));
-      at::Tensor attended = attention_.call(qkv.narrow(1, 0, heads_).contiguous(), k_caches[i],
-                                            v_caches[i], slots, begins, lengths, scale_,
-                                            attention_path);
-      h = project(p[1], attended.view({tokens, -1}));
+      at::Tensor q = qkv.narrow(1, 0, heads_);
+      if (i == layers - 1 && output_rows.has_value()) {
+        // Every row's K/V is written; the rest of the last layer only for the rows read.
+        const at::Tensor& rows = *output_rows;
+        q = q.index_select(0, rows);
+        begins = begins.index_select(0, rows);
+        lengths = lengths.index_select(0, rows);
+        residual = residual.index_select(0, rows);
+        tokens = rows.numel();
+      }
+      at::Tensor attended = attention_.call(q.contiguous(), k_caches[i], v_caches[i], slots,
+                                            begins, lengths, scale_, attention_path);
+      h = project(p[1], attended.view({tokens, heads_ * head_dim_}));
 
       std::tie(residual, normed) = add_rms_norm_.call(residual, h, post_norm, eps_);
       h = mlp(p[2], p[3], normed);

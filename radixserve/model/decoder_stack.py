@@ -60,9 +60,10 @@ class DecoderStack:
 
     def run(self, x: torch.Tensor, rotary: Rotary, batch: ForwardBatch,
             caches: list[LayerKV]) -> torch.Tensor | None:
-        """The layers' output for the step's embedded tokens x [T, hidden] (before the final
-        norm), its K/V written to `caches`; None where this step's attention is not all on
-        the paged kernel, or the pool is not in the model's dtype (run the Python layers)."""
+        """The layers' output for the step's embedded tokens x [T, hidden] at the batch's
+        output rows (before the final norm), its K/V written to `caches`; None where this
+        step's attention is not all on the paged kernel, or the pool is not in the model's
+        dtype (run the Python layers)."""
         whole = whole_step_rows(batch.attention, batch.attention_plan)
         if (whole is None or not x.is_cpu or x.dtype != self.dtype
                 or caches[0].k.dtype != self.dtype):
@@ -70,4 +71,5 @@ class DecoderStack:
         rows, path = whole
         return self.stack.forward(x, rotary.cos, rotary.sin, [c.k for c in caches],
                                   [c.v for c in caches], batch.attention_plan.write_slots,
-                                  rows.slots, rows.begins, rows.lengths, path)
+                                  rows.slots, rows.begins, rows.lengths, path,
+                                  batch.output_rows)

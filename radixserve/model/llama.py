@@ -45,9 +45,13 @@ class ForwardBatch:
 
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
-    logit_rows: torch.Tensor  # [R] rows whose next-token logits are wanted
+    # [R] rows of hidden_states' result whose next-token logits are wanted
+    logit_rows: torch.Tensor
     attention: StepAttention
     attention_plan: StepPlan
+    # [O] ascending rows whose last-layer output hidden_states returns; None: every row. The
+    # other rows' last layer stops once their K/V is written: nothing reads the rest.
+    output_rows: torch.Tensor | None = None
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -145,8 +149,9 @@ class Attention(nn.Module):
                                linear)
         self.o_proj = Linear(q_size, config.hidden_size, False, linear)
 
-    def forward(self, x: torch.Tensor, rotary: Rotary, batch: ForwardBatch,
-                cache: LayerKV) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotary: Rotary, batch: ForwardBatch, cache: LayerKV,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The block's output for `rows` of x (None: all), the K/V of every row written."""
         tokens = x.shape[0]
         qkv = self.qkv_proj(x).view(tokens, -1, self.head_dim)
         rotated = self.num_heads + self.num_kv_heads
@@ -159,8 +164,8 @@ class Attention(nn.Module):
             qk = rotary.rotate(qkv[:, :rotated])
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, rotated:]
-        out = batch.attention.forward(q, k, v, cache, batch.attention_plan)
-        return self.o_proj(out.view(tokens, -1))
+        out = batch.attention.forward(q, k, v, cache, batch.attention_plan).view(tokens, -1)
+        return self.o_proj(out if rows is None else out[rows])
 
 
 class MLP(nn.Module):
@@ -231,7 +236,8 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def hidden_states(self, batch: ForwardBatch, caches: list[LayerKV]) -> torch.Tensor:
         """Runs the batch, writing its K/V into the caches; returns the last layer's output
-        [T, hidden] for every row, before the final norm (see `compute_logits`)."""
+        for the batch's output rows ([T, hidden] where it names none), before the final norm
+        (see `compute_logits`)."""
         x = self.embed_tokens(batch.input_ids)
         angles = batch.positions.to(self.inv_freq.dtype).unsqueeze(-1) * self.inv_freq
         rotary = Rotary(angles.cos(), angles.sin())  # [T, D / 2] each
@@ -240,10 +246,14 @@ class LlamaModel(nn.Module):
             if hidden is not None:
                 return hidden
         residual, h = x, None
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             # Each norm takes the residual add before it (the previous block's output).
             residual, x = layer.input_layernorm.add_and_norm(residual, h)
-            h = layer.self_attn(x, rotary, batch, caches[i])
+            rows = batch.output_rows if i == last else None
+            h = layer.self_attn(x, rotary, batch, caches[i], rows)
+            if rows is not None:
+                residual = residual[rows]
             residual, x = layer.post_attention_layernorm.add_and_norm(residual, h)
             h = layer.mlp(x)
         return residual if h is None else residual + h
