@@ -106,6 +106,23 @@ for _name, _test in vars(anthropic_suite).items():
                     **({"server": "keyed"} if _name in KEYED else {})})
 
 
+def test_the_router_counts_nothing_in_flight_once_idle(server: ServerProcess) -> None:
+    # The replayed suites' requests finished, failed or were cancelled (some while being
+    # routed). Each must have released the load the router counted for it: a count left
+    # behind steers every later request away from its replica.
+    wait_idle(server.base_url)
+    loads: list[Any] = []
+
+    def idle() -> bool:
+        loads[:] = [r["routed_in_flight"] for r in _replicas(server)]
+        return loads == [0, 0]
+
+    try:
+        _until(idle)
+    except AssertionError:
+        raise AssertionError(f"the router still counts {loads} in flight") from None
+
+
 # ----- flags -----
 
 @pytest.mark.parametrize("flags, message", [
@@ -335,6 +352,55 @@ def test_router_stops_preferring_a_prefix_its_replica_evicted(
     # Nothing holds it now: the next request goes by load, not to its old home.
     with _busy(server, home, _home_only(server, home, tokenizer, fillers), None):
         assert _replica_of(server, lambda: _complete(server.base_url, ids)) != home
+
+
+@pytest.fixture
+def one_each(server: ServerProcess, tmp_path_factory: pytest.TempPathFactory
+             ) -> Iterator[ServerProcess]:
+    """Replicas that take one request at a time, on the module's cluster: a second request
+    waits in the router until one is free."""
+    with running_server(tmp_path_factory, *REPLICA_FLAGS, "--ray-address", "auto",
+                        "--replica-max-ongoing", "1", name="one_each") as proc:
+        yield proc
+
+
+def test_a_request_whose_caller_leaves_before_it_is_sent_releases_its_load(
+    one_each: ServerProcess,
+) -> None:
+    url = one_each.base_url
+    stop = threading.Event()
+
+    def hold(i: int) -> None:
+        body = {"model": MODEL, "prompt": f"Story {i}:", "max_tokens": 400, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300,
+                          trust_env=False) as r:
+            assert r.status_code == 200
+            for _ in r.iter_lines():
+                if stop.is_set():
+                    return
+
+    def in_flight() -> list[int]:
+        return [r["routed_in_flight"] for r in _replicas(one_each)]
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        holders = [pool.submit(hold, i) for i in range(2)]
+        try:
+            _until(lambda: in_flight() == [1, 1], timeout_s=30)
+            # Both replicas are full: this request waits to be routed, and its caller leaves.
+            with pytest.raises(httpx.TimeoutException):
+                httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Hi",
+                           "max_tokens": 2}, timeout=1.5, trust_env=False)
+            _until(lambda: in_flight() == [1, 1])
+        finally:
+            stop.set()
+            for holder in holders:
+                holder.result()
+    wait_idle(url)
+    # It was never sent, so no completion released it: the router must have seen it go.
+    _until(lambda: in_flight() == [0, 0])
+    assert _complete(url, "Hi", max_tokens=2)["usage"]["completion_tokens"] == 2
+    assert in_flight() == [0, 0]
 
 
 def _home_only(server: ServerProcess, home: str, tokenizer: ChatTokenizer,

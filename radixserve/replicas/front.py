@@ -81,14 +81,17 @@ class ReplicaDirectory:
                 for name, s in zip(replicas, stats, strict=True) if "snapshot" in s}
 
     def describe(self) -> list[dict[str, Any]]:
-        """Each replica: id, KV-event endpoints, pid, queue as last reported."""
+        """Each replica: id, KV-event endpoints, pid, queue as last reported, and the requests
+        the router counts in flight there (the load it routes by)."""
+        router = router_for(self.ingress_key)
         out = []
         for name, replica in sorted(self._replicas().items()):
             meta, stats = replica.replica_metadata, replica.routing_stats or {}
             out.append({"replica": name, "kv_events": meta.get("kv_events"),
                         "kv_replay": meta.get("kv_replay"), "block_size": meta.get("block_size"),
                         "pid": meta.get("pid"), "node_id": replica.node_id,
-                        "running": stats.get("running"), "waiting": stats.get("waiting")})
+                        "running": stats.get("running"), "waiting": stats.get("waiting"),
+                        "routed_in_flight": router.loads.of(replica.replica_id)})
         return out
 
     def route_cost(self) -> tuple[int, float]:

@@ -20,7 +20,9 @@ ingress can read the replicas' routing stats (`front.ReplicaDirectory`).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import random
@@ -59,6 +61,9 @@ class _Loads:
 
     def of(self, replica: ReplicaID) -> int:
         return self.count.get(replica, 0)
+
+    def holds(self, request: str) -> bool:
+        return request in self._held
 
     def hold(self, request: str, replica: ReplicaID) -> None:
         self.release(request)
@@ -140,12 +145,40 @@ class _Registered(RequestRouter):
             self.route_seconds += time.perf_counter() - started
             self.routed += 1
 
+    def reserve(self, pending: PendingRequest, replica_id: ReplicaID) -> None:
+        """Counts `pending` against the replica chosen for it, before Serve assigns it one.
+
+        Serve reports a request it sent only when it finishes (and, with strict queue limits,
+        when it is accepted). So the request's future says the rest: assigned to a replica
+        other than the one chosen (that one was full), the count moves there; cancelled while
+        it waited (its caller left while every replica was full), it was never sent and no
+        completion will come, so the count is released here. Serve asks again after each
+        backoff: only the first reservation of a future watches it."""
+        request = pending.metadata.internal_request_id
+        watched = self.loads.holds(request)
+        self.loads.hold(request, replica_id)
+        if not watched:
+            pending.future.add_done_callback(functools.partial(self._assigned, pending))
+
+    def _assigned(self, pending: PendingRequest, future: asyncio.Future[Any]) -> None:
+        request = pending.metadata.internal_request_id
+        if not self.loads.holds(request):
+            return  # already finished
+        if future.cancelled() or future.exception() is not None:
+            self.forget_request(request)
+        else:
+            self.on_request_routed(pending, future.result().replica_id, None)
+
+    def forget_request(self, internal_request_id: str) -> None:
+        """What this router counts for a request that is finished or never sent."""
+        self.loads.release(internal_request_id)
+
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: Any) -> None:
         self.loads.hold(pending_request.metadata.internal_request_id, replica_id)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        self.loads.release(internal_request_id)
+        self.forget_request(internal_request_id)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
@@ -231,11 +264,10 @@ class PrefixRouter(_Registered):
             fewest = min(loads[r.replica_id] for r in eligible)
             chosen = random.choice([r for r in eligible if loads[r.replica_id] == fewest])
         if pending is not None:
-            request = pending.metadata.internal_request_id
-            self.loads.hold(request, chosen.replica_id)
+            self.reserve(pending, chosen.replica_id)
             if job is not None and job.block_hashes:
-                self.provisional.add(request, chosen.replica_id, job.block_hashes,
-                                     time.monotonic())
+                self.provisional.add(pending.metadata.internal_request_id, chosen.replica_id,
+                                     job.block_hashes, time.monotonic())
         rest = sorted((r for r in candidates if r is not chosen),
                       key=lambda r: loads[r.replica_id])
         return [[chosen], rest] if rest else [[chosen]]
@@ -265,8 +297,8 @@ class PrefixRouter(_Registered):
             self.provisional.add(pending_request.metadata.internal_request_id, replica_id,
                                  job.block_hashes, time.monotonic())
 
-    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        super().on_request_completed(replica_id, internal_request_id)
+    def forget_request(self, internal_request_id: str) -> None:
+        super().forget_request(internal_request_id)
         self.provisional.finish(internal_request_id)
 
     def held_tokens(self, hashes: list[int], block_size: int) -> dict[str, int]:
