@@ -371,7 +371,8 @@ def test_a_request_whose_caller_leaves_before_it_is_sent_releases_its_load(
     stop = threading.Event()
 
     def hold(i: int) -> None:
-        body = {"model": MODEL, "prompt": f"Story {i}:", "max_tokens": 400, "temperature": 0,
+        # Long enough to outlast the test on a fast CPU; abandoned once it is done.
+        body = {"model": MODEL, "prompt": f"Story {i}:", "max_tokens": 3000, "temperature": 0,
                 "ignore_eos": True, "stream": True}
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300,
                           trust_env=False) as r:
