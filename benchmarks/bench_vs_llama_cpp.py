@@ -39,6 +39,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -78,7 +79,9 @@ def figures(args: argparse.Namespace) -> tuple[Figure, ...]:
         Figure("decode_gb_per_s", "  weights streamed by that decode (GB/s)", False, ""),
         Figure("load_s", "LLM() load (s)", True, ""),
         Figure("rss_after_load_gb", "LLM() RSS after load (GB)", True, "<= 1.15x file"),
-        Figure("peak_rss_gb", "LLM() peak RSS during load (GB)", True, ""),
+        Figure("peak_rss_gb", "LLM() peak RSS during load, mapped file pages included (GB)",
+               True, ""),
+        Figure("peak_anon_gb", "LLM() peak anonymous memory during load (GB)", True, ""),
         Figure("server_ready_s", "server start to healthy (s)", True, "<= llama.cpp + 5 s"),
         Figure("server_rss_gb", "server RSS when healthy, KV pool included (GB)", True, ""),
         Figure("shared_prefix_tok_s",
@@ -141,6 +144,33 @@ def radixserve_offline(args: argparse.Namespace, model: Path, log: Path) -> dict
     return json.loads(lines[-1][len(CHILD_RESULT):])
 
 
+class PeakAnonymous:
+    """The process's largest anonymous resident memory (RSS less its file-backed and shared
+    pages) while the block runs, sampled every 10 ms. Peak RSS also counts the pages of the
+    mapped GGUF file being read, which the page cache can drop; this is what a load needs."""
+
+    def __enter__(self) -> PeakAnonymous:
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._sample_once()
+        self._thread.start()
+        return self
+
+    def _sample_once(self) -> None:
+        info = psutil.Process().memory_info()
+        self.peak = max(self.peak, info.rss - info.shared)
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.01):
+            self._sample_once()
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample_once()
+
+
 def child_measure(args: argparse.Namespace) -> dict[str, Any]:
     """Runs in the child: a fresh process, so RSS and peak RSS are this model's alone."""
     from radixserve import LLM, SamplingParams
@@ -153,13 +183,16 @@ def child_measure(args: argparse.Namespace) -> dict[str, Any]:
     before = psutil.Process().memory_info().rss / 1e9
     start = time.perf_counter()
     # A KV pool just large enough for the prefill, so that RSS is mostly the weights.
-    llm = LLM(str(args.model[0]), quantization="auto", num_threads=args.threads,
-              kv_cache_tokens=args.prompt_tokens + args.decode_tokens + 256, show_progress=False)
+    with PeakAnonymous() as anonymous:
+        llm = LLM(str(args.model[0]), quantization="auto", num_threads=args.threads,
+                  kv_cache_tokens=args.prompt_tokens + args.decode_tokens + 256,
+                  show_progress=False)
     result: dict[str, Any] = {"load_s": time.perf_counter() - start,
                               "rss_before_load_gb": before,
                               "rss_after_load_gb": psutil.Process().memory_info().rss / 1e9,
                               "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-                              * 1024 / 1e9}
+                              * 1024 / 1e9,
+                              "peak_anon_gb": anonymous.peak / 1e9}
     greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     llm.generate([{"prompt_token_ids": tokens(64)}], greedy, use_tqdm=False)  # warm-up
 
