@@ -225,9 +225,9 @@ int checked_path(int64_t max_path) {
 class RunShares {
  public:
   RunShares(int64_t runs, int64_t shares)
-      : count_(shares), bounds_(new std::atomic<uint64_t>[static_cast<size_t>(shares)]) {
+      : count_(shares), bounds_(new Bounds[static_cast<size_t>(shares)]) {
     for (int64_t i = 0; i < shares; ++i)
-      bounds_[i].store(pack(runs * i / shares, runs * (i + 1) / shares));
+      bounds_[i].value.store(pack(runs * i / shares, runs * (i + 1) / shares));
   }
 
   // The next run for the caller that owns shares [first, end): from the front of its own, then
@@ -246,7 +246,7 @@ class RunShares {
   }
 
   int64_t take_from(int64_t share, bool back) {
-    std::atomic<uint64_t>& bounds = bounds_[share];
+    std::atomic<uint64_t>& bounds = bounds_[share].value;
     uint64_t seen = bounds.load(std::memory_order_relaxed);
     for (;;) {
       const int64_t front = static_cast<int64_t>(seen & 0xFFFFFFFFu);
@@ -258,8 +258,14 @@ class RunShares {
     }
   }
 
+  // One cache line each: a thread takes from its own share's bounds once per run, and with
+  // the shares' bounds side by side every take moved the line away from the other thread.
+  struct alignas(64) Bounds {
+    std::atomic<uint64_t> value;
+  };
+
   int64_t count_;
-  std::unique_ptr<std::atomic<uint64_t>[]> bounds_;
+  std::unique_ptr<Bounds[]> bounds_;
 };
 
 // One weight of the op: its panels and where its rows land in the output.
