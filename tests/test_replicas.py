@@ -290,6 +290,16 @@ def test_tenants_prefixes_are_not_shared_across_salts(
         assert again == home  # its own tenant still follows the prefix
 
 
+def _stream_until(base_url: str, body: dict[str, Any], stop: threading.Event) -> None:
+    """A streamed completion, read until it ends or `stop` is set (then abandoned)."""
+    with httpx.stream("POST", base_url + "/v1/completions", json=body, timeout=300,
+                      trust_env=False) as r:
+        assert r.status_code == 200
+        for _ in r.iter_lines():
+            if stop.is_set():
+                return
+
+
 class _busy:
     """Keeps `n` long requests running on `replica` (streamed completions of a prompt only
     that replica holds), so load counts against it; abandoned (aborted) on exit."""
@@ -302,12 +312,7 @@ class _busy:
     def _run(self, i: int) -> None:
         body = {"model": MODEL, "prompt": self.ids + [42 + i], "max_tokens": 400,
                 "temperature": 0, "ignore_eos": True, "cache_salt": self.salt, "stream": True}
-        with httpx.stream("POST", self.server.base_url + "/v1/completions", json=body,
-                          timeout=300, trust_env=False) as r:
-            assert r.status_code == 200
-            for _ in r.iter_lines():
-                if self.stop.is_set():
-                    return
+        _stream_until(self.server.base_url, body, self.stop)
 
     def __enter__(self) -> None:
         self.pool = concurrent.futures.ThreadPoolExecutor(self.n)
@@ -372,14 +377,8 @@ def test_a_request_whose_caller_leaves_before_it_is_sent_releases_its_load(
 
     def hold(i: int) -> None:
         # Long enough to outlast the test on a fast CPU; abandoned once it is done.
-        body = {"model": MODEL, "prompt": f"Story {i}:", "max_tokens": 3000, "temperature": 0,
-                "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300,
-                          trust_env=False) as r:
-            assert r.status_code == 200
-            for _ in r.iter_lines():
-                if stop.is_set():
-                    return
+        _stream_until(url, {"model": MODEL, "prompt": f"Story {i}:", "max_tokens": 3000,
+                            "temperature": 0, "ignore_eos": True, "stream": True}, stop)
 
     def in_flight() -> list[int]:
         return [r["routed_in_flight"] for r in _replicas(one_each)]

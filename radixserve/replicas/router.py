@@ -146,7 +146,9 @@ class _Registered(RequestRouter):
             self.routed += 1
 
     def reserve(self, pending: PendingRequest, replica_id: ReplicaID) -> None:
-        """Counts `pending` against the replica chosen for it, before Serve assigns it one.
+        """Counts `pending` against the replica chosen for it, before Serve assigns it one,
+        as `on_request_routed` counts a sent request (its load; the prefix router's, also its
+        provisional blocks).
 
         Serve reports a request it sent only when it finishes (and, with strict queue limits,
         when it is accepted). So the request's future says the rest: assigned to a replica
@@ -154,9 +156,8 @@ class _Registered(RequestRouter):
         it waited (its caller left while every replica was full), it was never sent and no
         completion will come, so the count is released here. Serve asks again after each
         backoff: only the first reservation of a future watches it."""
-        request = pending.metadata.internal_request_id
-        watched = self.loads.holds(request)
-        self.loads.hold(request, replica_id)
+        watched = self.loads.holds(pending.metadata.internal_request_id)
+        self.on_request_routed(pending, replica_id, None)
         if not watched:
             pending.future.add_done_callback(functools.partial(self._assigned, pending))
 
@@ -264,10 +265,7 @@ class PrefixRouter(_Registered):
             fewest = min(loads[r.replica_id] for r in eligible)
             chosen = random.choice([r for r in eligible if loads[r.replica_id] == fewest])
         if pending is not None:
-            self.reserve(pending, chosen.replica_id)
-            if job is not None and job.block_hashes:
-                self.provisional.add(pending.metadata.internal_request_id, chosen.replica_id,
-                                     job.block_hashes, time.monotonic())
+            self.reserve(pending, chosen.replica_id)  # its load and provisional blocks
         rest = sorted((r for r in candidates if r is not chosen),
                       key=lambda r: loads[r.replica_id])
         return [[chosen], rest] if rest else [[chosen]]
