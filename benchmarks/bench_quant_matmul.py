@@ -23,7 +23,7 @@ import gguf
 import numpy as np
 import torch
 import torch.nn.functional as F
-from timing import best_ms
+from timing import best_ms, cold_bytes
 
 from radixserve.kernels import GGUFOps, gguf_ops
 from radixserve.kernels.cpu import describe, has_fast_bf16
@@ -31,7 +31,7 @@ from radixserve.kernels.cpu import describe, has_fast_bf16
 Q = gguf.GGMLQuantizationType
 FORMATS = {"Q4_0": Q.Q4_0, "Q4_1": Q.Q4_1, "Q8_0": Q.Q8_0, "Q4_K": Q.Q4_K, "Q6_K": Q.Q6_K}
 SHAPES = [(2048, 2048), (8192, 2048), (2048, 8192), (49152, 576)]  # (out, in)
-COLD_BYTES = 128e6  # copies of a weight add up to this, past any last-level cache
+COLD_BYTES = cold_bytes(128 << 20)  # copies of a weight add up to this, past the caches
 COLD_MAX_ROWS = 16
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from timing import best_ms
+from timing import best_ms, cold_bytes
 
 from radixserve import LLM
 from radixserve.kernels import skinny_float_ops
@@ -42,7 +42,7 @@ FLOAT_SHAPES = [
     ("1B o_proj", 2048, 2048), ("1B up", 8192, 2048), ("1B down", 2048, 8192),
     ("1B LM head", 49152, 2048),
 ]
-STREAMED_BYTES = 256 << 20  # of float32 copies per shape: well past any last-level cache
+STREAMED_BYTES = cold_bytes(256 << 20)  # of float32 copies per shape: past the caches
 
 
 def ms_per_matrix(products: list[Callable[[], object]], repeat: int) -> float:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from radixserve.kernels.cpu import cpu_flags
@@ -31,3 +32,17 @@ def cpu_summary() -> dict[str, Any]:
     kind = ("AVX-512/BF16" if "avx512_bf16" in flags else "AVX-512" if "avx512f" in flags
             else "AVX2-only" if "avx2" in flags else "no AVX2")
     return {"kind": kind, "flags": vector, "cores": os.cpu_count()}
+
+
+def cold_bytes(floor: int) -> int:
+    """Bytes that a benchmark's copies of its weights must add up to so that each call reads
+    them from memory: at least `floor`, and twice the largest cache Linux reports (some hosts
+    show a last-level cache of several hundred megabytes)."""
+    largest = 0
+    for size in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = size.read_text().strip()
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            largest = max(largest, int(digits) * scale)
+    return max(floor, 2 * largest)

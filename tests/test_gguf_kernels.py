@@ -145,7 +145,9 @@ def test_the_library_builds_and_names_the_path_of_this_cpu():
     flags = cpu_flags()
     expected = "portable"
     if {"avx512f", "avx512dq", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
-        expected = "avx512-vnni"
+        # AMX is used where Linux lets the process have the tile state (it does on every
+        # kernel since 5.16 that shows the flags).
+        expected = "avx512-amx" if {"amx_tile", "amx_int8"} <= flags else "avx512-vnni"
     elif {"avx2", "fma", "f16c"} <= flags:
         expected = "avx2"
     assert OPS.path_name() == expected and OPS.path_name(0) == "portable"
@@ -249,19 +251,22 @@ def test_linear_matches_float64(kind, shape, bias):
         assert (np.abs(got.double().numpy() - exact) <= 0.02 * norms).all()
 
 
-@pytest.mark.parametrize("path", [1, 2], ids=lambda p: QUANT_PATHS[p])
+@pytest.mark.parametrize("path", [1, 2, 3], ids=lambda p: QUANT_PATHS[p])
 @pytest.mark.parametrize("kind", FORMATS, ids=lambda k: k.name)
 def test_vector_paths_equal_the_portable_path_bitwise(kind, path):
     if path > BEST:
+        where = ("on an emulated CPU in test_emulated_avx512.py" if path == 2 else
+                 "on a CPU with AMX-INT8, such as Intel Xeon from Sapphire Rapids on")
         pytest.skip(f"this CPU runs {QUANT_PATHS[BEST]}: the {QUANT_PATHS[path]} path cannot "
-                    "run here (natively on machines that have it; on an emulated CPU in "
-                    "test_emulated_avx512.py)")
+                    f"run here (natively on machines that have it; {where})")
     n, k = _shapes(kind)[0]
     raw, _ = _weights(n, k, kind, seed=3)
     bias = torch.randn(n)
     # (On AVX2, Q4_K unpacks a superblock once for chunks of 8 rows or more and Q6_K for 24
-    # or more; 7 and 27 are tiles of 4, 2, 1 on either side.)
-    for m in (1, 2, 3, 4, 5, 6, 7, 8, 17, 24, 27, 300):
+    # or more; 7 and 27 are tiles of 4, 2, 1 on either side. AMX takes groups of 16 rows and
+    # the AVX-512 path the rest: 16, 32 and 48 are whole groups, 300 is 18 of them in two
+    # chunks with 12 rows left in the second.)
+    for m in (1, 2, 3, 4, 5, 6, 7, 8, 16, 17, 24, 27, 32, 48, 300):
         for dtype in (torch.float32, torch.bfloat16):
             x = torch.randn(m, k).to(dtype)
             assert torch.equal(_linear(x, raw, kind, bias, path), _linear(x, raw, kind, bias, 0))

@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 _SOURCES = [Path(__file__).with_name(name)
             for name in ("decode_attention.cpp", "skinny_matmul.cpp", "gguf_pack.cpp",
                          "gguf_matmul.cpp", "gguf_matmul_avx2.cpp", "gguf_matmul_avx512.cpp",
+                         "gguf_matmul_amx.cpp",
                          "skinny_float.cpp", "layer_ops.cpp", "decoder_stack.cpp")]
 _HEADERS = [Path(__file__).with_name(name)
             for name in ("vector.h", "gguf_blocks.h", "skinny_float_paths.h",
@@ -181,7 +182,8 @@ def skinny_float_ops() -> SkinnyFloatOps | None:
     return SkinnyFloatOps() if _library() else None
 
 
-QUANT_PATHS = ("portable", "avx2", "avx512-vnni")  # the GGUF kernels' paths, by max_path
+# The GGUF kernels' paths, by max_path.
+QUANT_PATHS = ("portable", "avx2", "avx512-vnni", "avx512-amx")
 
 
 class GGUFOps:

@@ -134,6 +134,11 @@ struct QuantizedRows {
   const int16_t* sums32;
   int64_t k;       // activations per row
   int64_t blocks;  // k / block
+  // The AMX path's copy of q, by tile: for each group of 16 rows and each block of 32, the 16
+  // rows' 32 bytes side by side (512 bytes). A tile then loads 512 contiguous bytes instead of
+  // 16 rows k bytes apart, which for k a multiple of 4096 all fall in one set of the L1
+  // cache. nullptr where the call does not run that path.
+  const int8_t* tiles = nullptr;
 };
 
 // Float accumulators of one panel for activation rows [r0, r0 + rows): acc[r * 16 + lane].
@@ -161,6 +166,8 @@ void quantize_row256_avx2(const float* x, int64_t k, int8_t* q, float* dx, int16
                           int16_t* sums32);
 void panel_avx512(const Format& f, const uint8_t* panel, const QuantizedRows& a, int64_t r0,
                   int64_t rows, float* acc);
+void panel_amx(const Format& f, const uint8_t* panel, const QuantizedRows& a, int64_t r0,
+               int64_t rows, float* acc);
 #endif
 
 // 127 / top for quantizing a block of activations, or 0 where that is not finite: a block of

@@ -29,6 +29,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <vector>
 
@@ -148,15 +149,16 @@ Quantized quantize(const at::Tensor& x, int block, int path) {
   const int64_t m = x.size(0), k = x.size(1), blocks = k / block;
   const int64_t n32 = block == 32 ? blocks : 0, n256 = block == 256 ? 1 : 0;
   auto aligned = [](int64_t bytes) { return (bytes + 63) / 64 * 64; };
-  const int64_t sizes[6] = {aligned(m * k), aligned(m * blocks * 4), aligned(m * n32 * 4),
+  const int64_t tiled_rows = path >= 3 ? m / 16 * 16 : 0;  // whole groups of 16 (AMX)
+  const int64_t sizes[7] = {aligned(m * k), aligned(m * blocks * 4), aligned(m * n32 * 4),
                             aligned(m * n32 * 4), aligned(m * n256 * k / 16 * 2),
-                            aligned(m * n256 * k / 32 * 2)};
+                            aligned(m * n256 * k / 32 * 2), aligned(tiled_rows * k)};
   int64_t total = 0;
   for (int64_t size : sizes) total += size;
   Quantized out{at::empty({std::max<int64_t>(total, 1)}, x.options().dtype(at::kByte))};
   uint8_t* cursor = out.buffer.data_ptr<uint8_t>();  // 64-byte aligned, as every CPU allocation
-  uint8_t* arrays[6];
-  for (int i = 0; i < 6; ++i) {
+  uint8_t* arrays[7];
+  for (int i = 0; i < 7; ++i) {
     arrays[i] = cursor;
     cursor += sizes[i];
   }
@@ -166,7 +168,8 @@ Quantized quantize(const at::Tensor& x, int block, int path) {
   float* dxs = reinterpret_cast<float*>(arrays[3]);
   int16_t* sums16 = reinterpret_cast<int16_t*>(arrays[4]);
   int16_t* sums32 = reinterpret_cast<int16_t*>(arrays[5]);
-  out.rows = {q, dx, sums, dxs, sums16, sums32, k, blocks};
+  int8_t* tiles = tiled_rows > 0 ? reinterpret_cast<int8_t*>(arrays[6]) : nullptr;
+  out.rows = {q, dx, sums, dxs, sums16, sums32, k, blocks, tiles};
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   const char* src = static_cast<const char*>(x.data_ptr());
   const int64_t row_bytes = k * x.element_size();
@@ -200,6 +203,14 @@ Quantized quantize(const at::Tensor& x, int block, int path) {
       }
     }
   });
+  if (tiles != nullptr)
+    at::parallel_for(0, tiled_rows / 16, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t group = begin; group < end; ++group)
+        for (int64_t j = 0; j < k / 32; ++j)
+          for (int64_t r = 0; r < 16; ++r)
+            std::memcpy(tiles + ((group * (k / 32) + j) * 16 + r) * 32,
+                        q + (group * 16 + r) * k + 32 * j, 32);
+    });
   return out;
 }
 
@@ -208,6 +219,7 @@ using PanelPath = void (*)(const Format&, const uint8_t*, const QuantizedRows&, 
 
 PanelPath panel_path(int path) {
 #ifdef RS_X86
+  if (path >= 3) return panel_amx;
   if (path >= 2) return panel_avx512;
   if (path >= 1) return panel_avx2;
 #endif
@@ -215,7 +227,8 @@ PanelPath panel_path(int path) {
 }
 
 int checked_path(int64_t max_path) {
-  TORCH_CHECK_VALUE(max_path >= 0, "max_path must be 0 (portable), 1 (AVX2) or 2 (AVX-512)");
+  TORCH_CHECK_VALUE(max_path >= 0,
+                    "max_path must be 0 (portable), 1 (AVX2), 2 (AVX-512 VNNI) or 3 (AMX)");
   return static_cast<int>(std::min<int64_t>(max_path, radixserve::quant_path()));
 }
 

@@ -9,7 +9,12 @@
 #include <c10/util/BFloat16.h>
 
 #if defined(__x86_64__)
+#include <cpuid.h>
 #include <immintrin.h>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #define RS_X86 1
 #define RS_AVX512 __attribute__((target("avx512f,avx512dq")))
 #define RS_AVX512BF16 __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl,avx512bf16")))
@@ -17,6 +22,9 @@
 #define RS_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define RS_AVX512VNNI \
   __attribute__((target("avx2,fma,f16c,avx512f,avx512dq,avx512bw,avx512vl,avx512vnni")))
+#define RS_AMX                                                                              \
+  __attribute__((target("avx2,fma,f16c,avx512f,avx512dq,avx512bw,avx512vl,avx512vnni,"     \
+                        "amx-tile,amx-int8")))
 #endif
 
 namespace radixserve {
@@ -33,14 +41,37 @@ inline int cpu_level() {
 #endif
 }
 
+// AMX-TILE and AMX-INT8 in CPUID, their register state enabled by the OS (XCR0 bits 17 and
+// 18), and this process allowed to use it: Linux hands the tile data's 8 KB of state to a
+// process only once asked (arch_prctl ARCH_REQ_XCOMP_PERM), here on the first call.
+inline bool amx_int8_usable() {
+#if defined(RS_X86) && defined(__linux__)
+  static const bool usable = [] {
+    unsigned eax, ebx, ecx, edx;
+    if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx) || !(ecx >> 27 & 1)) return false;  // OSXSAVE
+    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+    if (!(edx >> 24 & 1) || !(edx >> 25 & 1)) return false;  // AMX-TILE, AMX-INT8
+    unsigned xcr0_low, xcr0_high;
+    asm volatile("xgetbv" : "=a"(xcr0_low), "=d"(xcr0_high) : "c"(0));
+    if ((xcr0_low >> 17 & 3) != 3) return false;  // XTILECFG, XTILEDATA
+    constexpr long kRequestPermission = 0x1023, kTileData = 18;
+    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  }();
+  return usable;
+#else
+  return false;
+#endif
+}
+
 // The quantized matmul's path: 0 portable C++; 1 AVX2 with FMA and F16C; 2 AVX-512 (F, DQ,
-// BW, VL) with VNNI dot products. AVX-512 without VNNI runs the AVX2 path.
+// BW, VL) with VNNI dot products; 3 that and AMX-INT8 tile multiplies for groups of 16
+// activation rows. AVX-512 without VNNI runs the AVX2 path.
 inline int quant_path() {
 #ifdef RS_X86
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
       __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
       __builtin_cpu_supports("avx512vnni"))
-    return 2;
+    return amx_int8_usable() ? 3 : 2;
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
       __builtin_cpu_supports("f16c"))
     return 1;

@@ -1,0 +1,330 @@
+// The quantized matmul's AMX path (AMX-TILE, AMX-INT8), for groups of 16 activation rows; the
+// AVX-512 VNNI path takes the rows left over.
+//
+// From a few dozen rows on, a prefill's matmul is bound by its integer multiply-adds. One tile
+// multiply (tdpbssd, tdpbsud) takes 16 activation rows of a block (A: 16 x 32 bytes, from
+// QuantizedRows::tiles) against the block's weights of 16 output rows (B) into 16 x 16 int32
+// sums (C): 8,192 products, where one vpdpbusd makes 64. B's layout is k/4 rows of [16 output
+// rows][4 bytes], which is what a panel's 64-byte units already are: Q8_0's units load as they
+// are; Q4 nibbles and Q6_K's 6-bit values are unpacked into bytes first (a K-quant superblock
+// once for 4 groups of rows). The sums are exact, as vpdpbusd's; C goes through memory into
+// vectors whose lanes are the panel's rows, as the VNNI path's accumulators, and the float
+// step after each block (K-quants: the integer scale per sub-block or group, the float step
+// per superblock) is the other paths' (gguf_blocks.h), so the bits are the portable path's.
+//
+// A tile's K is one block (32 bytes; Q6_K's groups of 16: 16 bytes), since each block's int32
+// sums take their own scales; that per-block step through memory, not the tile multiplies,
+// bounds this path: 1.9x the VNNI path's rate on Q8_0, 1.7x on Q6_K, 1.4x on Q4_K, 1.05x on
+// Q4_0 and Q4_1 (BENCHMARKS.md). Two C tiles alternate, so that one block's multiply runs
+// while the other's sums are read out.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "gguf_blocks.h"
+
+#ifdef RS_X86
+namespace radixserve::gguf {
+namespace {
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 0, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// tmm0, tmm1: C, 16 rows of 16 int32; tmm2, tmm3: A, 16 activation rows of `k_bytes`; tmm4,
+// tmm5: B, k_bytes / 4 rows of 64 bytes.
+constexpr TileConfig config_for(int k_bytes) {
+  TileConfig c;
+  c.palette = 1;
+  for (int t = 0; t < 6; ++t) {
+    c.rows[t] = t >= 4 ? k_bytes / 4 : 16;
+    c.colsb[t] = t == 2 || t == 3 ? k_bytes : 64;
+  }
+  return c;
+}
+
+// In static storage: a configuration built on the stack and only read by ldtilecfg can be
+// dropped by the compiler as dead stores (a known crash of llama.cpp's AMX path).
+alignas(64) constexpr TileConfig kConfig32 = config_for(32);
+alignas(64) constexpr TileConfig kConfig16 = config_for(16);
+
+constexpr int kGroup = 16;  // activation rows per tile
+constexpr int64_t kTileBytes = kGroup * 32;  // one block of 32 of a group's rows, in a.tiles
+
+RS_AMX inline __m512i scales_u8(const uint8_t* p) {
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+RS_AMX inline __m512i scales_i8(const uint8_t* p) {
+  return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+RS_AMX inline __m512 halves(const uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+RS_AMX inline int32_t pair(const int16_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// GCC's AMX intrinsics are asm statements that declare no memory access (ldtilecfg's one
+// pointer-sized word), so the compiler may drop or move the stores a tile load reads and the
+// loads after a tile store. These declare it.
+#define RS_TILE_MULTIPLY(C, A, B, DP)                                                        \
+  asm volatile("tileloadd (%0,%1,1), %%tmm" #A ::"r"(a), "r"(row_bytes) : "memory");        \
+  asm volatile("tileloadd (%0,%1,1), %%tmm" #B ::"r"(b), "r"(kStride) : "memory");          \
+  asm volatile("tilezero %%tmm" #C ::);                                                      \
+  asm volatile(DP " %%tmm" #B ", %%tmm" #A ", %%tmm" #C ::);                                 \
+  asm volatile("tilestored %%tmm" #C ", (%0,%1,1)" ::"r"(c), "r"(kStride) : "memory")
+
+// Tile multiply S (0 or 1: its own C, A and B tiles): activations a (16 rows, `row_bytes`
+// apart) by the weight bytes b (rows of 64 bytes), signed or unsigned weights, the sums
+// stored to c (16 rows of 64 bytes).
+template <int S, bool kSignedWeights>
+RS_AMX inline void multiply(const int8_t* a, int64_t row_bytes, const void* b, int32_t* c) {
+  const int64_t kStride = 64;
+  if constexpr (S == 0 && kSignedWeights) {
+    RS_TILE_MULTIPLY(0, 2, 4, "tdpbssd");
+  } else if constexpr (S == 0) {
+    RS_TILE_MULTIPLY(0, 2, 4, "tdpbsud");
+  } else if constexpr (kSignedWeights) {
+    RS_TILE_MULTIPLY(1, 3, 5, "tdpbssd");
+  } else {
+    RS_TILE_MULTIPLY(1, 3, 5, "tdpbsud");
+  }
+}
+#undef RS_TILE_MULTIPLY
+
+// A block of 32's unpacked bytes: 8 rows of [16 output rows][4 bytes], weights 4j..4j+3 in
+// row j. Q4 units hold weights 4t.. in their low nibbles and 16 + 4t.. in their high ones.
+RS_AMX inline void unpack_q4(const uint8_t* units, uint8_t* out) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int t = 0; t < 4; ++t) {
+    const __m512i v = _mm512_loadu_si512(units + t * kUnit);
+    _mm512_store_si512(out + t * kUnit, _mm512_and_si512(v, low));
+    _mm512_store_si512(out + (4 + t) * kUnit, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+  }
+}
+
+// The weight bytes of block b for tile multiply slot s: Q8_0's units as they are, Q4's
+// unpacked into scratch[s].
+template <Kind K>
+RS_AMX inline const void* weights32(const uint8_t* panel, int64_t b, uint8_t (*scratch)[8 * kUnit],
+                                    int s) {
+  const uint8_t* units = panel + b * format_for<K>().panel_bytes + format_for<K>().units_at;
+  if constexpr (K == Kind::q8s) return units;
+  unpack_q4(units, scratch[s]);
+  return scratch[s];
+}
+
+// The float step of block b for the 16 rows from r0, given their int32 sums.
+template <Kind K>
+RS_AMX inline void float_step32(const uint8_t* panel, const QuantizedRows& a, int64_t r0,
+                                int64_t b, const int32_t* sums, __m512* sum) {
+  const uint8_t* block = panel + b * format_for<K>().panel_bytes;
+  const __m512 d = halves(block);
+  for (int r = 0; r < kGroup; ++r) {
+    const int64_t at = (r0 + r) * a.blocks + b;
+    __m512i p = _mm512_load_si512(sums + r * kRows);
+    if constexpr (K == Kind::q4) p = _mm512_sub_epi32(p, _mm512_set1_epi32(8 * a.sums[at]));
+    sum[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(d, _mm512_set1_ps(a.dx[at])),
+                             sum[r]);
+    if constexpr (K == Kind::q4m)
+      sum[r] = _mm512_fmadd_ps(halves(block + 32), _mm512_set1_ps(a.dxs[at]), sum[r]);
+  }
+}
+
+// Q8_0, Q4_0, Q4_1 for activation rows [r0, r0 + 16): acc[(r - r0) * 16 + lane].
+template <Kind K>
+RS_AMX void group32(const uint8_t* panel, const QuantizedRows& a, int64_t r0, float* acc) {
+  constexpr bool kSigned = K == Kind::q8s;
+  alignas(64) int32_t c[2][kGroup * kRows];
+  alignas(64) uint8_t scratch[2][8 * kUnit];
+  __m512 sum[kGroup];
+  for (int r = 0; r < kGroup; ++r) sum[r] = _mm512_setzero_ps();
+  const int8_t* q = a.tiles + r0 / kGroup * a.blocks * kTileBytes;  // block b at b * 512
+  // Block b + 1's multiply is issued before block b's float step, so that each step reads
+  // sums stored a step earlier.
+  multiply<0, kSigned>(q, 32, weights32<K>(panel, 0, scratch, 0), c[0]);
+  for (int64_t b = 0; b < a.blocks; b += 2) {
+    if (b + 1 < a.blocks)
+      multiply<1, kSigned>(q + kTileBytes * (b + 1), 32, weights32<K>(panel, b + 1, scratch, 1),
+                           c[1]);
+    float_step32<K>(panel, a, r0, b, c[0], sum);
+    if (b + 1 >= a.blocks) break;
+    if (b + 2 < a.blocks)
+      multiply<0, kSigned>(q + kTileBytes * (b + 2), 32, weights32<K>(panel, b + 2, scratch, 0),
+                           c[0]);
+    float_step32<K>(panel, a, r0, b + 1, c[1], sum);
+  }
+  for (int r = 0; r < kGroup; ++r) _mm512_storeu_ps(acc + r * kRows, sum[r]);
+}
+
+// total[r] += sc * sums[r] for the 16 rows: a sub-block's (Q4_K) or group's (Q6_K, its sums
+// first centred: minus 32 * the activations' sum, as the weights are u - 32) weighed by its
+// integer scale per lane.
+RS_AMX inline void add_scaled(const int32_t* sums, __m512i sc, const int16_t* centre,
+                              int64_t centre_stride, __m512i* total) {
+  for (int r = 0; r < kGroup; ++r) {
+    __m512i p = _mm512_load_si512(sums + r * kRows);
+    if (centre != nullptr)
+      p = _mm512_sub_epi32(p, _mm512_set1_epi32(32 * centre[r * centre_stride]));
+    total[r] = _mm512_add_epi32(total[r], _mm512_mullo_epi32(p, sc));
+  }
+}
+
+// A K-quant superblock's weights as bytes, by sub-block (Q4_K: 8 of 8 rows of 64 bytes) or
+// group (Q6_K: 16 of 4 rows).
+template <Kind K>
+RS_AMX void unpack_k(const uint8_t* units, uint8_t* out) {
+  const __m512i low = _mm512_set1_epi8(0x0F), bits45 = _mm512_set1_epi8(0x30);
+  if constexpr (K == Kind::q4k) {
+    // Sub-block j = 2c + h: the low (h = 0) or high nibbles of units 8c..8c+7.
+    for (int u = 0; u < 32; ++u) {
+      const __m512i v = _mm512_loadu_si512(units + u * kUnit);
+      const int c = u / 8, t = u % 8;
+      _mm512_store_si512(out + ((2 * c) * 8 + t) * kUnit, _mm512_and_si512(v, low));
+      _mm512_store_si512(out + ((2 * c + 1) * 8 + t) * kUnit,
+                         _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+    }
+  } else {
+    // Group g = 8h + 2i + vq holds weights 128h + 32i + 16vq.. = 16g.. of the superblock:
+    // rows v = 4vq..4vq+3 of the 6-bit values u_i built from ql units 16h + v, 16h + 8 + v
+    // and qh unit 32 + 8h + v.
+    for (int h = 0; h < 2; ++h)
+      for (int v = 0; v < 8; ++v) {
+        const __m512i lo_a = _mm512_loadu_si512(units + (16 * h + v) * kUnit);
+        const __m512i lo_b = _mm512_loadu_si512(units + (16 * h + 8 + v) * kUnit);
+        const __m512i hb = _mm512_loadu_si512(units + (32 + 8 * h + v) * kUnit);
+        const __m512i u[4] = {
+            _mm512_or_si512(_mm512_and_si512(lo_a, low),
+                            _mm512_and_si512(_mm512_slli_epi16(hb, 4), bits45)),
+            _mm512_or_si512(_mm512_and_si512(lo_b, low),
+                            _mm512_and_si512(_mm512_slli_epi16(hb, 2), bits45)),
+            _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(lo_a, 4), low),
+                            _mm512_and_si512(hb, bits45)),
+            _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(lo_b, 4), low),
+                            _mm512_and_si512(_mm512_srli_epi16(hb, 2), bits45))};
+        for (int i = 0; i < 4; ++i)
+          _mm512_store_si512(out + (4 * (8 * h + 2 * i + v / 4) + v % 4) * kUnit, u[i]);
+      }
+  }
+}
+
+// Superblock b of a K-quant panel, its weights unpacked, for activation rows [r0, r0 + 16):
+// the integer sums of all 16 rows in registers, then the float step into acc.
+template <Kind K>
+RS_AMX void superblock(const uint8_t* block, const uint8_t* unpacked, const QuantizedRows& a,
+                       int64_t r0, int64_t b, float* acc) {
+  alignas(64) int32_t c[2][kGroup * kRows];
+  // Blocks of 32 of this group's rows, 8 per superblock.
+  const int8_t* qb = a.tiles + (r0 / kGroup * (a.k / 32) + 8 * b) * kTileBytes;
+  __m512i total[kGroup];
+  for (int r = 0; r < kGroup; ++r) total[r] = _mm512_setzero_si512();
+  if constexpr (K == Kind::q4k) {
+    for (int j = 0; j < 8; j += 2) {
+      multiply<0, false>(qb + kTileBytes * j, 32, unpacked + j * 8 * kUnit, c[0]);
+      multiply<1, false>(qb + kTileBytes * (j + 1), 32, unpacked + (j + 1) * 8 * kUnit, c[1]);
+      add_scaled(c[0], scales_u8(block + kQ4kScales + 16 * j), nullptr, 0, total);
+      add_scaled(c[1], scales_u8(block + kQ4kScales + 16 * (j + 1)), nullptr, 0, total);
+    }
+    const __m512 d = halves(block), dmin = halves(block + 32);
+    __m512i m[4];  // int16 pairs (m_2p, m_2p+1) per lane
+    for (int p = 0; p < 4; ++p) {
+      const __m512i odd = scales_u8(block + kQ4kMins + 16 * (2 * p + 1));
+      m[p] = _mm512_or_si512(scales_u8(block + kQ4kMins + 16 * (2 * p)),
+                             _mm512_slli_epi32(odd, 16));
+    }
+    for (int r = 0; r < kGroup; ++r) {
+      const int16_t* sums32 = a.sums32 + (r0 + r) * (a.k / 32) + 8 * b;
+      __m512i mins = _mm512_setzero_si512();
+      for (int p = 0; p < 4; ++p)
+        mins = _mm512_add_epi32(
+            mins, _mm512_madd_epi16(m[p], _mm512_set1_epi32(pair(sums32 + 2 * p))));
+      const __m512 dx = _mm512_set1_ps(a.dx[(r0 + r) * a.blocks + b]);
+      __m512 s = _mm512_loadu_ps(acc + r * kRows);
+      s = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total[r]), _mm512_mul_ps(d, dx), s);
+      const __m512 negative = _mm512_castsi512_ps(_mm512_xor_si512(
+          _mm512_castps_si512(_mm512_mul_ps(dmin, dx)), _mm512_set1_epi32(INT32_MIN)));
+      _mm512_storeu_ps(acc + r * kRows, _mm512_fmadd_ps(_mm512_cvtepi32_ps(mins), negative, s));
+    }
+  } else {
+    const int16_t* sums16 = a.sums16 + r0 * (a.k / 16) + 16 * b;
+    // Group g's activations are 16g..: the first (even g) or second 16 bytes of each row of
+    // block of 32 g / 2.
+    for (int g = 0; g < 16; g += 2) {
+      multiply<0, false>(qb + kTileBytes * (g / 2), 32, unpacked + 4 * g * kUnit, c[0]);
+      multiply<1, false>(qb + kTileBytes * (g / 2) + 16, 32, unpacked + 4 * (g + 1) * kUnit,
+                         c[1]);
+      add_scaled(c[0], scales_i8(block + kQ6kScales + 16 * g), sums16 + g, a.k / 16, total);
+      add_scaled(c[1], scales_i8(block + kQ6kScales + 16 * (g + 1)), sums16 + g + 1, a.k / 16,
+                 total);
+    }
+    const __m512 d = halves(block);
+    for (int r = 0; r < kGroup; ++r) {
+      const __m512 dx = _mm512_set1_ps(a.dx[(r0 + r) * a.blocks + b]);
+      _mm512_storeu_ps(acc + r * kRows,
+                       _mm512_fmadd_ps(_mm512_cvtepi32_ps(total[r]), _mm512_mul_ps(d, dx),
+                                       _mm512_loadu_ps(acc + r * kRows)));
+    }
+  }
+}
+
+// Groups of rows per unpack of a K-quant superblock: 4 (64 rows) ran 1.1x one at a time;
+// more were no faster (1B shapes, 64 and 512 rows).
+constexpr int64_t kGroupsPerUnpack = 4;
+
+// `count` groups of 16 rows from r0 (a multiple of 16). K-quants: each superblock is unpacked
+// once for up to kGroupsPerUnpack groups.
+template <Kind K>
+RS_AMX void groups(const uint8_t* panel, const QuantizedRows& a, int64_t r0, int64_t count,
+                   float* acc) {
+  if constexpr (K == Kind::q4k || K == Kind::q6k) {
+    constexpr Format f = format_for<K>();
+    alignas(64) uint8_t unpacked[64 * kUnit];
+    for (int64_t i = 0; i < count * kGroup * kRows; ++i) acc[i] = 0.f;
+    for (int64_t first = 0; first < count; first += kGroupsPerUnpack) {
+      const int64_t end = std::min(count, first + kGroupsPerUnpack);
+      for (int64_t b = 0; b < a.blocks; ++b) {
+        const uint8_t* block = panel + b * f.panel_bytes;
+        unpack_k<K>(block + f.units_at, unpacked);
+        for (int64_t g = first; g < end; ++g)
+          superblock<K>(block, unpacked, a, r0 + g * kGroup, b, acc + g * kGroup * kRows);
+      }
+    }
+  } else {
+    for (int64_t g = 0; g < count; ++g)
+      group32<K>(panel, a, r0 + g * kGroup, acc + g * kGroup * kRows);
+  }
+}
+
+}  // namespace
+
+RS_AMX void panel_amx(const Format& f, const uint8_t* panel, const QuantizedRows& a, int64_t r0,
+                      int64_t rows, float* acc) {
+  const int64_t count = rows / kGroup;
+  if (count > 0) {
+    // Every call configures the tiles: other code on this thread (oneDNN's AMX matmuls) sets
+    // its own configuration between ours.
+    const TileConfig* config = f.kind == Kind::q6k ? &kConfig16 : &kConfig32;
+    asm volatile("ldtilecfg %0" ::"m"(*config) : "memory");
+    switch (f.kind) {
+      case Kind::q8s: groups<Kind::q8s>(panel, a, r0, count, acc); break;
+      case Kind::q4: groups<Kind::q4>(panel, a, r0, count, acc); break;
+      case Kind::q4m: groups<Kind::q4m>(panel, a, r0, count, acc); break;
+      case Kind::q4k: groups<Kind::q4k>(panel, a, r0, count, acc); break;
+      case Kind::q6k: groups<Kind::q6k>(panel, a, r0, count, acc); break;
+    }
+    asm volatile("tilerelease" ::: "memory");  // a context switch then need not save the tiles
+  }
+  const int64_t done = count * kGroup;
+  if (rows > done) panel_avx512(f, panel, a, r0 + done, rows - done, acc + done * kRows);
+}
+
+}  // namespace radixserve::gguf
+#endif
