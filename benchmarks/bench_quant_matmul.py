@@ -57,10 +57,9 @@ def _copies(tensor: torch.Tensor, rows: int) -> list[torch.Tensor]:
     return [tensor] + [tensor.clone() for _ in range(count - 1)]
 
 
-def _quantized(ops: GGUFOps, x: torch.Tensor, ggml_type: int,
-               n: int) -> Callable[[torch.Tensor], object]:
-    best = ops.path()
-    return lambda panels: ops.linear(x, panels, ggml_type, n, None, best)
+def _quantized(ops: GGUFOps, x: torch.Tensor, ggml_type: int, n: int,
+               path: int) -> Callable[[torch.Tensor], object]:
+    return lambda panels: ops.linear(x, panels, ggml_type, n, None, path)
 
 
 def _dense(x: torch.Tensor) -> Callable[[torch.Tensor], object]:
@@ -87,13 +86,17 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=[f"{n}x{k}" for n, k in SHAPES],
                         help="OUTxIN weight shapes")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--max-path", type=int, default=None,
+                        help="cap the kernel's path (an index of QUANT_PATHS: 2 runs the "
+                             "AVX-512 VNNI path on a CPU with AMX); default: this CPU's best")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     ops = gguf_ops()
     assert ops is not None, "the C++ kernels did not build"
-    print(f"CPU: {describe()} | quantized path: {ops.path_name()} | threads: "
+    path = ops.path() if args.max_path is None else min(args.max_path, ops.path())
+    print(f"CPU: {describe()} | quantized path: {ops.path_name(path)} | threads: "
           f"{torch.get_num_threads()}")
     dtypes = [torch.float32] + ([torch.bfloat16] if has_fast_bf16() else [])
     rng = np.random.default_rng(0)
@@ -119,7 +122,7 @@ def main() -> None:
             for m in args.rows:
                 x = torch.randn(m, k)
                 with torch.inference_mode():
-                    ms = _per_call_ms(_quantized(ops, x, int(kind), n), _copies(panels, m),
+                    ms = _per_call_ms(_quantized(ops, x, int(kind), n, path), _copies(panels, m),
                                       m * n * k)
                     if m not in baselines:
                         baselines[m] = {
@@ -137,7 +140,7 @@ def main() -> None:
                 print(line, flush=True)
     report = {"date": time.strftime("%Y-%m-%d %H:%M"),
               "machine": platform.processor() or platform.machine(), "cpu_flags": describe(),
-              "path": ops.path_name(), "threads": torch.get_num_threads(), "results": results}
+              "path": ops.path_name(path), "threads": torch.get_num_threads(), "results": results}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2))

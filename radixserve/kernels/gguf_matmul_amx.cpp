@@ -53,6 +53,9 @@ alignas(64) constexpr TileConfig kConfig16 = config_for(16);
 
 constexpr int kGroup = 16;  // activation rows per tile
 constexpr int64_t kTileBytes = kGroup * 32;  // one block of 32 of a group's rows, in a.tiles
+// Groups of rows per unpack of a Q4 block or K-quant superblock: 4 (64 rows) ran 1.1x one
+// at a time; more were no faster (1B shapes, 64 and 512 rows).
+constexpr int64_t kGroupsPerUnpack = 4;
 
 RS_AMX inline __m512i scales_u8(const uint8_t* p) {
   return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -111,58 +114,82 @@ RS_AMX inline void unpack_q4(const uint8_t* units, uint8_t* out) {
   }
 }
 
-// The weight bytes of block b for tile multiply slot s: Q8_0's units as they are, Q4's
-// unpacked into scratch[s].
-template <Kind K>
-RS_AMX inline const void* weights32(const uint8_t* panel, int64_t b, uint8_t (*scratch)[8 * kUnit],
-                                    int s) {
-  const uint8_t* units = panel + b * format_for<K>().panel_bytes + format_for<K>().units_at;
-  if constexpr (K == Kind::q8s) return units;
-  unpack_q4(units, scratch[s]);
-  return scratch[s];
-}
-
-// The float step of block b for the 16 rows from r0, given their int32 sums.
-template <Kind K>
-RS_AMX inline void float_step32(const uint8_t* panel, const QuantizedRows& a, int64_t r0,
-                                int64_t b, const int32_t* sums, __m512* sum) {
-  const uint8_t* block = panel + b * format_for<K>().panel_bytes;
+// The float step of Q8_0 block b for the 16 rows from r0, given their int32 sums.
+RS_AMX inline void float_step_q8(const uint8_t* block, const QuantizedRows& a, int64_t r0,
+                                 int64_t b, const int32_t* sums, __m512* sum) {
   const __m512 d = halves(block);
   for (int r = 0; r < kGroup; ++r) {
-    const int64_t at = (r0 + r) * a.blocks + b;
-    __m512i p = _mm512_load_si512(sums + r * kRows);
-    if constexpr (K == Kind::q4) p = _mm512_sub_epi32(p, _mm512_set1_epi32(8 * a.sums[at]));
-    sum[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(d, _mm512_set1_ps(a.dx[at])),
+    const __m512i p = _mm512_load_si512(sums + r * kRows);
+    sum[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p),
+                             _mm512_mul_ps(d, _mm512_set1_ps(a.dx[(r0 + r) * a.blocks + b])),
                              sum[r]);
-    if constexpr (K == Kind::q4m)
-      sum[r] = _mm512_fmadd_ps(halves(block + 32), _mm512_set1_ps(a.dxs[at]), sum[r]);
   }
 }
 
-// Q8_0, Q4_0, Q4_1 for activation rows [r0, r0 + 16): acc[(r - r0) * 16 + lane].
-template <Kind K>
-RS_AMX void group32(const uint8_t* panel, const QuantizedRows& a, int64_t r0, float* acc) {
-  constexpr bool kSigned = K == Kind::q8s;
+// Q8_0 for activation rows [r0, r0 + 16): acc[(r - r0) * 16 + lane]. Its units are the B
+// tile as they are, and the 16 rows' float sums stay in registers.
+RS_AMX void group_q8(const uint8_t* panel, const QuantizedRows& a, int64_t r0, float* acc) {
+  constexpr int64_t stride = kQ8_0.panel_bytes, units_at = kQ8_0.units_at;
   alignas(64) int32_t c[2][kGroup * kRows];
-  alignas(64) uint8_t scratch[2][8 * kUnit];
   __m512 sum[kGroup];
   for (int r = 0; r < kGroup; ++r) sum[r] = _mm512_setzero_ps();
   const int8_t* q = a.tiles + r0 / kGroup * a.blocks * kTileBytes;  // block b at b * 512
   // Block b + 1's multiply is issued before block b's float step, so that each step reads
   // sums stored a step earlier.
-  multiply<0, kSigned>(q, 32, weights32<K>(panel, 0, scratch, 0), c[0]);
+  multiply<0, true>(q, 32, panel + units_at, c[0]);
   for (int64_t b = 0; b < a.blocks; b += 2) {
     if (b + 1 < a.blocks)
-      multiply<1, kSigned>(q + kTileBytes * (b + 1), 32, weights32<K>(panel, b + 1, scratch, 1),
-                           c[1]);
-    float_step32<K>(panel, a, r0, b, c[0], sum);
+      multiply<1, true>(q + kTileBytes * (b + 1), 32, panel + (b + 1) * stride + units_at, c[1]);
+    float_step_q8(panel + b * stride, a, r0, b, c[0], sum);
     if (b + 1 >= a.blocks) break;
     if (b + 2 < a.blocks)
-      multiply<0, kSigned>(q + kTileBytes * (b + 2), 32, weights32<K>(panel, b + 2, scratch, 0),
-                           c[0]);
-    float_step32<K>(panel, a, r0, b + 1, c[1], sum);
+      multiply<0, true>(q + kTileBytes * (b + 2), 32, panel + (b + 2) * stride + units_at, c[0]);
+    float_step_q8(panel + (b + 1) * stride, a, r0, b + 1, c[1], sum);
   }
   for (int r = 0; r < kGroup; ++r) _mm512_storeu_ps(acc + r * kRows, sum[r]);
+}
+
+// Q4_0 and Q4_1 for `count` groups of 16 rows from r0: each block unpacked once for up to
+// kGroupsPerUnpack groups, the float sums in acc.
+template <Kind K>
+RS_AMX void groups_q4(const uint8_t* panel, const QuantizedRows& a, int64_t r0, int64_t count,
+                      float* acc) {
+  constexpr Format f = format_for<K>();
+  alignas(64) int32_t c[2][kGroup * kRows];
+  alignas(64) uint8_t unpacked[8 * kUnit];
+  for (int64_t i = 0; i < count * kGroup * kRows; ++i) acc[i] = 0.f;
+  auto tile = [&](int64_t g, int64_t b) {
+    return a.tiles + ((r0 / kGroup + g) * a.blocks + b) * kTileBytes;
+  };
+  for (int64_t first = 0; first < count; first += kGroupsPerUnpack) {
+    const int64_t end = std::min(count, first + kGroupsPerUnpack);
+    for (int64_t b = 0; b < a.blocks; ++b) {
+      const uint8_t* block = panel + b * f.panel_bytes;
+      unpack_q4(block + f.units_at, unpacked);
+      const __m512 d = halves(block);
+      for (int64_t g = first; g < end; g += 2) {
+        const bool pair = g + 1 < end;
+        multiply<0, false>(tile(g, b), 32, unpacked, c[0]);
+        if (pair) multiply<1, false>(tile(g + 1, b), 32, unpacked, c[1]);
+        for (int64_t h = g; h < g + (pair ? 2 : 1); ++h) {
+          const int32_t* sums = c[h - g];
+          float* out = acc + h * kGroup * kRows;
+          for (int r = 0; r < kGroup; ++r) {
+            const int64_t at = (r0 + h * kGroup + r) * a.blocks + b;
+            __m512i p = _mm512_load_si512(sums + r * kRows);
+            if constexpr (K == Kind::q4)
+              p = _mm512_sub_epi32(p, _mm512_set1_epi32(8 * a.sums[at]));
+            __m512 s = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p),
+                                       _mm512_mul_ps(d, _mm512_set1_ps(a.dx[at])),
+                                       _mm512_loadu_ps(out + r * kRows));
+            if constexpr (K == Kind::q4m)
+              s = _mm512_fmadd_ps(halves(block + 32), _mm512_set1_ps(a.dxs[at]), s);
+            _mm512_storeu_ps(out + r * kRows, s);
+          }
+        }
+      }
+    }
+  }
 }
 
 // total[r] += sc * sums[r] for the 16 rows: a sub-block's (Q4_K) or group's (Q6_K, its sums
@@ -275,12 +302,7 @@ RS_AMX void superblock(const uint8_t* block, const uint8_t* unpacked, const Quan
   }
 }
 
-// Groups of rows per unpack of a K-quant superblock: 4 (64 rows) ran 1.1x one at a time;
-// more were no faster (1B shapes, 64 and 512 rows).
-constexpr int64_t kGroupsPerUnpack = 4;
-
-// `count` groups of 16 rows from r0 (a multiple of 16). K-quants: each superblock is unpacked
-// once for up to kGroupsPerUnpack groups.
+// `count` groups of 16 rows from r0 (a multiple of 16).
 template <Kind K>
 RS_AMX void groups(const uint8_t* panel, const QuantizedRows& a, int64_t r0, int64_t count,
                    float* acc) {
@@ -297,9 +319,11 @@ RS_AMX void groups(const uint8_t* panel, const QuantizedRows& a, int64_t r0, int
           superblock<K>(block, unpacked, a, r0 + g * kGroup, b, acc + g * kGroup * kRows);
       }
     }
-  } else {
+  } else if constexpr (K == Kind::q8s) {
     for (int64_t g = 0; g < count; ++g)
-      group32<K>(panel, a, r0 + g * kGroup, acc + g * kGroup * kRows);
+      group_q8(panel, a, r0 + g * kGroup, acc + g * kGroup * kRows);
+  } else {
+    groups_q4<K>(panel, a, r0, count, acc);
   }
 }
 
