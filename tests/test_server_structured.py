@@ -220,7 +220,10 @@ def test_parallel_calls_and_the_sdk_stream_helper(client: openai.OpenAI) -> None
                                         temperature=0) as stream:
         for _ in stream:
             pass
-        final = stream.get_final_completion()
+        try:
+            final = stream.get_final_completion()
+        except openai.LengthFinishReasonError as cut:  # the helper refuses a reply cut short
+            final = cut.completion  # (the small model may go on making calls up to the limit)
     calls = final.choices[0].message.tool_calls or []
     assert final.choices[0].finish_reason in ("tool_calls", "length")
     assert calls and all(c.function.name == "get_weather" for c in calls)

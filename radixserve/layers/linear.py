@@ -103,7 +103,8 @@ class SkinnyLinear(DenseLinear):
         return None
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        if (x.shape[0] <= SKINNY_MAX_ROWS and layer.in_features % 32 == 0
+        # No rows (the last layer of a prompt chunk that samples nothing) go to oneDNN.
+        if (1 <= x.shape[0] <= SKINNY_MAX_ROWS and layer.in_features % 32 == 0
                 and layer.out_features % 16 == 0):
             return self.op(x.contiguous(), layer.weight, layer.bias)
         return super().apply(layer, x)
