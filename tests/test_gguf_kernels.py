@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from radixserve.kernels import QUANT_PATHS, gguf_ops
 from radixserve.kernels.cpu import cpu_flags
@@ -270,6 +271,22 @@ def test_vector_paths_equal_the_portable_path_bitwise(kind, path):
         for dtype in (torch.float32, torch.bfloat16):
             x = torch.randn(m, k).to(dtype)
             assert torch.equal(_linear(x, raw, kind, bias, path), _linear(x, raw, kind, bias, 0))
+
+
+def test_the_amx_path_and_onednn_amx_matmuls_take_turns_on_one_thread():
+    # Both configure the tile registers: each AMX call loads its own configuration and
+    # releases the tiles after, and oneDNN's bfloat16 matmuls (AMX where it exists) must find
+    # theirs again. Interleaved on one thread, neither result may move.
+    if BEST < 3:
+        pytest.skip(f"this CPU runs {QUANT_PATHS[BEST]}: no AMX here (natively on CPUs with "
+                    "AMX-INT8; the emulated CPU has none)")
+    raw, _ = _weights(64, 512, Q.Q4_K, seed=8)
+    x = torch.randn(300, 512).bfloat16()
+    w = torch.randn(96, 512).bfloat16()
+    dense, quantized = F.linear(x, w), _linear(x, raw, Q.Q4_K)
+    for _ in range(3):
+        assert torch.equal(_linear(x, raw, Q.Q4_K), quantized)
+        assert torch.equal(F.linear(x, w), dense)
 
 
 @pytest.mark.parametrize("kind", [Q.Q8_0, Q.Q4_K], ids=lambda k: k.name)
