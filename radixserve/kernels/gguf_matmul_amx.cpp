@@ -14,8 +14,8 @@
 //
 // A tile's K is one block (32 bytes; Q6_K's groups of 16: 16 bytes), since each block's int32
 // sums take their own scales; that per-block step through memory, not the tile multiplies,
-// bounds this path: 1.9x the VNNI path's rate on Q8_0, 1.7x on Q6_K, 1.4x on Q4_K, 1.05x on
-// Q4_0 and Q4_1 (BENCHMARKS.md). Two C tiles alternate, so that one block's multiply runs
+// bounds this path: 1.9x the VNNI path's rate on Q8_0, 1.7x on Q4_K (whose integer scales ride
+// in the unpacked weights) and Q6_K, 1.05x on Q4_0 and Q4_1 (BENCHMARKS.md). Two C tiles alternate, so that one block's multiply runs
 // while the other's sums are read out.
 
 #include <algorithm>
@@ -205,19 +205,34 @@ RS_AMX inline void add_scaled(const int32_t* sums, __m512i sc, const int16_t* ce
   }
 }
 
-// A K-quant superblock's weights as bytes, by sub-block (Q4_K: 8 of 8 rows of 64 bytes) or
-// group (Q6_K: 16 of 4 rows).
+// A K-quant superblock's weights as bytes, by sub-block (Q4_K: 8 of 8 rows of 64 bytes, times
+// the sub-block's scale in two parts) or group (Q6_K: 16 of 4 rows).
 template <Kind K>
 RS_AMX void unpack_k(const uint8_t* units, uint8_t* out) {
   const __m512i low = _mm512_set1_epi8(0x0F), bits45 = _mm512_set1_epi8(0x30);
   if constexpr (K == Kind::q4k) {
-    // Sub-block j = 2c + h: the low (h = 0) or high nibbles of units 8c..8c+7.
+    // Sub-block j = 2c + h: the low (h = 0) or high nibbles of units 8c..8c+7, times the
+    // sub-block's scale sc_j = 8 hi_j + lo_j (6 bits): out holds w * hi_j, then w * lo_j,
+    // both at most 15 * 7. A 16-bit multiply makes both bytes' products at once: they
+    // cannot carry into each other.
+    const uint8_t* block = units - kQ4_K.units_at;
+    __m512i hi[8], lo[8];
+    for (int j = 0; j < 8; ++j) {
+      const __m512i sc = scales_u8(block + kQ4kScales + 16 * j);  // per lane, in each dword
+      const __m512i words = _mm512_or_si512(sc, _mm512_slli_epi32(sc, 16));
+      hi[j] = _mm512_srli_epi16(words, 3);
+      lo[j] = _mm512_and_si512(words, _mm512_set1_epi16(7));
+    }
     for (int u = 0; u < 32; ++u) {
       const __m512i v = _mm512_loadu_si512(units + u * kUnit);
       const int c = u / 8, t = u % 8;
-      _mm512_store_si512(out + ((2 * c) * 8 + t) * kUnit, _mm512_and_si512(v, low));
-      _mm512_store_si512(out + ((2 * c + 1) * 8 + t) * kUnit,
-                         _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+      const __m512i nibbles[2] = {_mm512_and_si512(v, low),
+                                  _mm512_and_si512(_mm512_srli_epi16(v, 4), low)};
+      for (int h = 0; h < 2; ++h) {
+        const int j = 2 * c + h, row = j * 8 + t;
+        _mm512_store_si512(out + row * kUnit, _mm512_mullo_epi16(nibbles[h], hi[j]));
+        _mm512_store_si512(out + (64 + row) * kUnit, _mm512_mullo_epi16(nibbles[h], lo[j]));
+      }
     }
   } else {
     // Group g = 8h + 2i + vq holds weights 128h + 32i + 16vq.. = 16g.. of the superblock:
@@ -254,12 +269,27 @@ RS_AMX void superblock(const uint8_t* block, const uint8_t* unpacked, const Quan
   __m512i total[kGroup];
   for (int r = 0; r < kGroup; ++r) total[r] = _mm512_setzero_si512();
   if constexpr (K == Kind::q4k) {
-    for (int j = 0; j < 8; j += 2) {
-      multiply<0, false>(qb + kTileBytes * j, 32, unpacked + j * 8 * kUnit, c[0]);
-      multiply<1, false>(qb + kTileBytes * (j + 1), 32, unpacked + (j + 1) * 8 * kUnit, c[1]);
-      add_scaled(c[0], scales_u8(block + kQ4kScales + 16 * j), nullptr, 0, total);
-      add_scaled(c[1], scales_u8(block + kQ4kScales + 16 * (j + 1)), nullptr, 0, total);
+    // sum_j sc_j P_j = 8 sum_j (w hi_j) . q + sum_j (w lo_j) . q: the scales ride in the
+    // weights, so the 8 sub-blocks accumulate in two tiles (tmm0: hi, tmm1: lo) with no
+    // integer step per sub-block. Exact: |sum_j (w lo_j) . q| <= 256 * 105 * 127.
+    const uint8_t* hi = unpacked;
+    const uint8_t* lo = unpacked + 64 * kUnit;
+    const int64_t a_stride = 32, b_stride = 64;
+    asm volatile("tilezero %%tmm0\n\ttilezero %%tmm1" ::);
+    for (int j = 0; j < 8; ++j) {
+      asm volatile("tileloadd (%0,%1,1), %%tmm2" ::"r"(qb + kTileBytes * j), "r"(a_stride)
+                   : "memory");
+      asm volatile("tileloadd (%0,%1,1), %%tmm4" ::"r"(hi + j * 8 * kUnit), "r"(b_stride)
+                   : "memory");
+      asm volatile("tileloadd (%0,%1,1), %%tmm5" ::"r"(lo + j * 8 * kUnit), "r"(b_stride)
+                   : "memory");
+      asm volatile("tdpbsud %%tmm4, %%tmm2, %%tmm0\n\ttdpbsud %%tmm5, %%tmm2, %%tmm1" ::);
     }
+    asm volatile("tilestored %%tmm0, (%0,%1,1)" ::"r"(c[0]), "r"(b_stride) : "memory");
+    asm volatile("tilestored %%tmm1, (%0,%1,1)" ::"r"(c[1]), "r"(b_stride) : "memory");
+    for (int r = 0; r < kGroup; ++r)
+      total[r] = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(c[0] + r * kRows), 3),
+                                  _mm512_load_si512(c[1] + r * kRows));
     const __m512 d = halves(block), dmin = halves(block + 32);
     __m512i m[4];  // int16 pairs (m_2p, m_2p+1) per lane
     for (int p = 0; p < 4; ++p) {
@@ -308,7 +338,7 @@ RS_AMX void groups(const uint8_t* panel, const QuantizedRows& a, int64_t r0, int
                    float* acc) {
   if constexpr (K == Kind::q4k || K == Kind::q6k) {
     constexpr Format f = format_for<K>();
-    alignas(64) uint8_t unpacked[64 * kUnit];
+    alignas(64) uint8_t unpacked[128 * kUnit];  // Q4_K: two scaled copies; Q6_K: 64 units
     for (int64_t i = 0; i < count * kGroup * kRows; ++i) acc[i] = 0.f;
     for (int64_t first = 0; first < count; first += kGroupsPerUnpack) {
       const int64_t end = std::min(count, first + kGroupsPerUnpack);
