@@ -192,15 +192,13 @@ RS_AMX void groups_q4(const uint8_t* panel, const QuantizedRows& a, int64_t r0, 
   }
 }
 
-// total[r] += sc * sums[r] for the 16 rows: a sub-block's (Q4_K) or group's (Q6_K, its sums
-// first centred: minus 32 * the activations' sum, as the weights are u - 32) weighed by its
-// integer scale per lane.
+// total[r] += sc * (sums[r] - 32 * centre[r]) for the 16 rows: a Q6_K group's sums, centred
+// (its weights are u - 32), weighed by its int8 scale per lane.
 RS_AMX inline void add_scaled(const int32_t* sums, __m512i sc, const int16_t* centre,
                               int64_t centre_stride, __m512i* total) {
   for (int r = 0; r < kGroup; ++r) {
-    __m512i p = _mm512_load_si512(sums + r * kRows);
-    if (centre != nullptr)
-      p = _mm512_sub_epi32(p, _mm512_set1_epi32(32 * centre[r * centre_stride]));
+    const __m512i p = _mm512_sub_epi32(_mm512_load_si512(sums + r * kRows),
+                                       _mm512_set1_epi32(32 * centre[r * centre_stride]));
     total[r] = _mm512_add_epi32(total[r], _mm512_mullo_epi32(p, sc));
   }
 }
