@@ -14,9 +14,9 @@
 //
 // A tile's K is one block (32 bytes; Q6_K's groups of 16: 16 bytes), since each block's int32
 // sums take their own scales; that per-block step through memory, not the tile multiplies,
-// bounds this path: 1.9x the VNNI path's rate on Q8_0, 1.7x on Q4_K (whose integer scales ride
-// in the unpacked weights) and Q6_K, 1.05x on Q4_0 and Q4_1 (BENCHMARKS.md). Two C tiles alternate, so that one block's multiply runs
-// while the other's sums are read out.
+// bounds this path: 1.9x the VNNI path's rate on Q8_0, 1.7x on Q4_K (whose integer scales
+// ride in the unpacked weights) and Q6_K, 1.05x on Q4_0 and Q4_1 (BENCHMARKS.md). Two C tiles
+// alternate, so that one block's multiply runs while the other's sums are read out.
 
 #include <algorithm>
 #include <cstdint>
@@ -77,20 +77,25 @@ RS_AMX inline int32_t pair(const int16_t* p) {
 
 // GCC's AMX intrinsics are asm statements that declare no memory access (ldtilecfg's one
 // pointer-sized word), so the compiler may drop or move the stores a tile load reads and the
-// loads after a tile store. These declare it.
-#define RS_TILE_MULTIPLY(C, A, B, DP)                                                        \
-  asm volatile("tileloadd (%0,%1,1), %%tmm" #A ::"r"(a), "r"(row_bytes) : "memory");        \
-  asm volatile("tileloadd (%0,%1,1), %%tmm" #B ::"r"(b), "r"(kStride) : "memory");          \
-  asm volatile("tilezero %%tmm" #C ::);                                                      \
-  asm volatile(DP " %%tmm" #B ", %%tmm" #A ", %%tmm" #C ::);                                 \
-  asm volatile("tilestored %%tmm" #C ", (%0,%1,1)" ::"r"(c), "r"(kStride) : "memory")
+// loads after a tile store. These declare it. Tiles are named by number, as asm needs.
+#define RS_TILE_LOAD(T, p, stride) \
+  asm volatile("tileloadd (%0,%1,1), %%tmm" #T ::"r"(p), "r"(int64_t{stride}) : "memory")
+#define RS_TILE_STORE(T, p) \
+  asm volatile("tilestored %%tmm" #T ", (%0,%1,1)" ::"r"(p), "r"(int64_t{64}) : "memory")
+#define RS_TILE_ZERO(T) asm volatile("tilezero %%tmm" #T ::)
+#define RS_TILE_DP(OP, C, A, B) asm volatile(OP " %%tmm" #B ", %%tmm" #A ", %%tmm" #C ::)
+#define RS_TILE_MULTIPLY(C, A, B, OP) \
+  RS_TILE_LOAD(A, a, row_bytes);      \
+  RS_TILE_LOAD(B, b, 64);             \
+  RS_TILE_ZERO(C);                    \
+  RS_TILE_DP(OP, C, A, B);            \
+  RS_TILE_STORE(C, c)
 
 // Tile multiply S (0 or 1: its own C, A and B tiles): activations a (16 rows, `row_bytes`
 // apart) by the weight bytes b (rows of 64 bytes), signed or unsigned weights, the sums
 // stored to c (16 rows of 64 bytes).
 template <int S, bool kSignedWeights>
 RS_AMX inline void multiply(const int8_t* a, int64_t row_bytes, const void* b, int32_t* c) {
-  const int64_t kStride = 64;
   if constexpr (S == 0 && kSignedWeights) {
     RS_TILE_MULTIPLY(0, 2, 4, "tdpbssd");
   } else if constexpr (S == 0) {
@@ -206,14 +211,14 @@ RS_AMX inline void add_scaled(const int32_t* sums, __m512i sc, const int16_t* ce
 // A K-quant superblock's weights as bytes, by sub-block (Q4_K: 8 of 8 rows of 64 bytes, times
 // the sub-block's scale in two parts) or group (Q6_K: 16 of 4 rows).
 template <Kind K>
-RS_AMX void unpack_k(const uint8_t* units, uint8_t* out) {
+RS_AMX void unpack_k(const uint8_t* block, uint8_t* out) {
+  const uint8_t* units = block + format_for<K>().units_at;
   const __m512i low = _mm512_set1_epi8(0x0F), bits45 = _mm512_set1_epi8(0x30);
   if constexpr (K == Kind::q4k) {
     // Sub-block j = 2c + h: the low (h = 0) or high nibbles of units 8c..8c+7, times the
     // sub-block's scale sc_j = 8 hi_j + lo_j (6 bits): out holds w * hi_j, then w * lo_j,
     // both at most 15 * 7. A 16-bit multiply makes both bytes' products at once: they
     // cannot carry into each other.
-    const uint8_t* block = units - kQ4_K.units_at;
     __m512i hi[8], lo[8];
     for (int j = 0; j < 8; ++j) {
       const __m512i sc = scales_u8(block + kQ4kScales + 16 * j);  // per lane, in each dword
@@ -272,19 +277,17 @@ RS_AMX void superblock(const uint8_t* block, const uint8_t* unpacked, const Quan
     // integer step per sub-block. Exact: |sum_j (w lo_j) . q| <= 256 * 105 * 127.
     const uint8_t* hi = unpacked;
     const uint8_t* lo = unpacked + 64 * kUnit;
-    const int64_t a_stride = 32, b_stride = 64;
-    asm volatile("tilezero %%tmm0\n\ttilezero %%tmm1" ::);
+    RS_TILE_ZERO(0);
+    RS_TILE_ZERO(1);
     for (int j = 0; j < 8; ++j) {
-      asm volatile("tileloadd (%0,%1,1), %%tmm2" ::"r"(qb + kTileBytes * j), "r"(a_stride)
-                   : "memory");
-      asm volatile("tileloadd (%0,%1,1), %%tmm4" ::"r"(hi + j * 8 * kUnit), "r"(b_stride)
-                   : "memory");
-      asm volatile("tileloadd (%0,%1,1), %%tmm5" ::"r"(lo + j * 8 * kUnit), "r"(b_stride)
-                   : "memory");
-      asm volatile("tdpbsud %%tmm4, %%tmm2, %%tmm0\n\ttdpbsud %%tmm5, %%tmm2, %%tmm1" ::);
+      RS_TILE_LOAD(2, qb + kTileBytes * j, 32);
+      RS_TILE_LOAD(4, hi + j * 8 * kUnit, 64);
+      RS_TILE_LOAD(5, lo + j * 8 * kUnit, 64);
+      RS_TILE_DP("tdpbsud", 0, 2, 4);
+      RS_TILE_DP("tdpbsud", 1, 2, 5);
     }
-    asm volatile("tilestored %%tmm0, (%0,%1,1)" ::"r"(c[0]), "r"(b_stride) : "memory");
-    asm volatile("tilestored %%tmm1, (%0,%1,1)" ::"r"(c[1]), "r"(b_stride) : "memory");
+    RS_TILE_STORE(0, c[0]);
+    RS_TILE_STORE(1, c[1]);
     for (int r = 0; r < kGroup; ++r)
       total[r] = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(c[0] + r * kRows), 3),
                                   _mm512_load_si512(c[1] + r * kRows));
@@ -342,7 +345,7 @@ RS_AMX void groups(const uint8_t* panel, const QuantizedRows& a, int64_t r0, int
       const int64_t end = std::min(count, first + kGroupsPerUnpack);
       for (int64_t b = 0; b < a.blocks; ++b) {
         const uint8_t* block = panel + b * f.panel_bytes;
-        unpack_k<K>(block + f.units_at, unpacked);
+        unpack_k<K>(block, unpacked);
         for (int64_t g = first; g < end; ++g)
           superblock<K>(block, unpacked, a, r0 + g * kGroup, b, acc + g * kGroup * kRows);
       }
