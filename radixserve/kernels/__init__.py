@@ -36,10 +36,11 @@ _SOURCES = [Path(__file__).with_name(name)
                          "skinny_float.cpp", "layer_ops.cpp", "decoder_stack.cpp")]
 _HEADERS = [Path(__file__).with_name(name)
             for name in ("vector.h", "gguf_blocks.h", "skinny_float_paths.h",
-                         "decode_attention_avx512.h", "skinny_matmul_avx512bf16.h")]
+                         "decode_attention_avx512.h", "decode_attention_amx.h", "amx.h",
+                         "skinny_matmul_avx512bf16.h")]
 
 
-ATTENTION_PATHS = ("portable", "avx2", "avx512", "avx512-bf16")  # paged_attention's max_path
+ATTENTION_PATHS = ("portable", "avx2", "avx512", "avx512-bf16", "avx512-amx")  # paged_attention's max_path
 
 
 def paged_attention_op() -> Callable[..., torch.Tensor] | None:

@@ -30,9 +30,11 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
+#include "decode_attention_amx.h"
 #include "decode_attention_avx512.h"
 #include "vector.h"
 
@@ -40,8 +42,12 @@ namespace {
 
 using radixserve::cpu_level;
 #ifdef RS_X86
+using radixserve::attention::AmxScratch;
+using radixserve::attention::attend_amx;
 using radixserve::attention::attend_avx512;
 using radixserve::attention::attend_bf16;
+using radixserve::attention::kAttentionConfig;
+using radixserve::attention::TiledContext;
 #endif
 
 inline float to_float(float x) { return x; }
@@ -239,9 +245,13 @@ RS_AVX2 void attend_tile_avx2(const float* q, int64_t tile, const int64_t* n, co
 #endif
 
 // The vector path (an index of the Python side's ATTENTION_PATHS): 0 portable C++, 1 AVX2 with
-// FMA, 2 AVX-512, 3 AVX-512 with BF16 (bfloat16 pools only; float32 ones run path 2 there).
+// FMA, 2 AVX-512, 3 AVX-512 with BF16 (bfloat16 pools only; float32 ones run path 2 there), 4
+// that and AMX-BF16 tile multiplies (bfloat16 pools with head_dim 64 or 128 and 2 to 16 query
+// heads per kv head; others run path 3: with one query per kv head, a decode row would lay out
+// its context for a tile of one query, 3x path 3's time).
 inline int best_path() {
   const int level = cpu_level();
+  if (level == 2 && radixserve::amx_usable(radixserve::kAmxBf16)) return 4;
   if (level > 0) return level + 1;
 #ifdef RS_X86
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 1;
@@ -251,6 +261,27 @@ inline int best_path() {
 
 constexpr int64_t kTileRows = 8;
 constexpr int64_t kSerialKeys = 1024;  // below this many keys read, one thread does a call
+
+// Work items (kv head, tile), item i = head i / tiles, tile i % tiles, cut into one
+// contiguous run per thread of about equal cost (a tile's cost: keys read); part p is items
+// [edges[p], edges[p + 1]).
+std::vector<int64_t> split(const std::vector<int64_t>& cost, int64_t kv_heads) {
+  const int64_t num_tiles = static_cast<int64_t>(cost.size());
+  const int64_t items = kv_heads * num_tiles;
+  int64_t total = 0;
+  for (int64_t c : cost) total += c * kv_heads;
+  // Short contexts stay on the calling thread (at::parallel_for runs one part inline): waking
+  // the others costs more than their share of a few hundred keys.
+  const int64_t parts =
+      total < kSerialKeys ? 1 : std::min<int64_t>(at::get_num_threads(), items);
+  std::vector<int64_t> edges(parts + 1, items);
+  edges[0] = 0;
+  for (int64_t i = 0, part = 1, done = 0; i < items && part < parts; ++i) {
+    done += cost[i % num_tiles];
+    while (part < parts && done * parts >= total * part) edges[part++] = i + 1;
+  }
+  return edges;
+}
 
 // Rows are cut into tiles: runs of up to kTileRows consecutive rows whose contexts start at
 // the same slot (one prefill chunk's rows; decode rows on one cached prefix). Work items are (kv head,
@@ -286,19 +317,8 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   }
   tiles.push_back(rows);
   const int64_t num_tiles = static_cast<int64_t>(cost.size());
-  const int64_t items = kv_heads * num_tiles;  // item i: kv head i / num_tiles, tile i % num_tiles
-  int64_t total = 0;
-  for (int64_t c : cost) total += c * kv_heads;
-  // Short contexts stay on the calling thread (at::parallel_for runs one part inline): waking
-  // the others costs more than their share of a few hundred keys.
-  const int64_t parts =
-      total < kSerialKeys ? 1 : std::min<int64_t>(at::get_num_threads(), items);
-  std::vector<int64_t> edges(parts + 1, items);
-  edges[0] = 0;
-  for (int64_t i = 0, part = 1, done = 0; i < items && part < parts; ++i) {
-    done += cost[i % num_tiles];
-    while (part < parts && done * parts >= total * part) edges[part++] = i + 1;
-  }
+  const std::vector<int64_t> edges = split(cost, kv_heads);
+  const int64_t parts = static_cast<int64_t>(edges.size()) - 1;
   at::parallel_for(0, parts, 1, [&](int64_t first_part, int64_t last_part) {
     std::vector<float> scores(kTileRows * groups * longest);
     std::vector<uint16_t> probs(groups * (longest + 2));
@@ -363,6 +383,70 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   });
 }
 
+#ifdef RS_X86
+// Path 4 (decode_attention_amx.h): tiles of up to 16 queries, the G query heads of up to 16 / G
+// consecutive rows that read one table (the rows of a prefill chunk; a decode row alone). A
+// thread lays out a context once for the tiles that read it, kv head by kv head.
+template <int D>
+void run_amx(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+             const at::Tensor& slots, const at::Tensor& begins, const at::Tensor& lengths,
+             float scale, at::Tensor& out) {
+  using BF16 = c10::BFloat16;
+  const int64_t rows = q.size(0), heads = q.size(1);
+  const int64_t kv_heads = k_cache.size(0), num_slots = k_cache.size(1);
+  const int64_t groups = heads / kv_heads, rows_per_tile = 16 / groups;
+  const BF16* qp = q.data_ptr<BF16>();
+  const BF16* kp = k_cache.data_ptr<BF16>();
+  const BF16* vp = v_cache.data_ptr<BF16>();
+  const int32_t* sp = slots.data_ptr<int32_t>();
+  const int64_t* bp = begins.data_ptr<int64_t>();
+  const int64_t* lp = lengths.data_ptr<int64_t>();
+  BF16* op = out.data_ptr<BF16>();
+  std::vector<int64_t> tiles{0};  // tile i is rows [tiles[i], tiles[i + 1])
+  std::vector<int64_t> cost;  // a tile's work, in keys read (its longest row's)
+  std::vector<int64_t> reach(rows);  // the longest row reading row r's table
+  for (int64_t r = 0; r < rows; ++r) {
+    const bool joins = r > tiles.back() && r - tiles.back() < rows_per_tile && bp[r] == bp[r - 1];
+    if (r > 0 && !joins) tiles.push_back(r);
+    if (cost.size() < tiles.size()) cost.push_back(0);
+    cost.back() = std::max(cost.back(), lp[r] + 16);
+    reach[r] = r > 0 && bp[r] == bp[r - 1] ? std::max(reach[r - 1], lp[r]) : lp[r];
+  }
+  for (int64_t r = rows - 1; r > 0; --r)
+    if (bp[r] == bp[r - 1]) reach[r - 1] = reach[r];
+  tiles.push_back(rows);
+  const int64_t num_tiles = static_cast<int64_t>(cost.size());
+  const std::vector<int64_t> edges = split(cost, kv_heads);
+  const int64_t parts = static_cast<int64_t>(edges.size()) - 1;
+  at::parallel_for(0, parts, 1, [&](int64_t first_part, int64_t last_part) {
+    TiledContext<D> context;
+    auto scratch = std::make_unique<AmxScratch>();
+    // Each call configures the tiles (other code on this thread, as oneDNN's AMX matmuls, sets
+    // its own between ours) and releases them, so a context switch need not save them.
+    RS_TILE_CONFIG(kAttentionConfig);
+    for (int64_t item = edges[first_part]; item < edges[last_part]; ++item) {
+      const int64_t h = item / num_tiles, first = tiles[item % num_tiles];
+      const int64_t tile = tiles[item % num_tiles + 1] - first;
+      const BF16* queries[16];
+      BF16* outs[16];
+      int64_t n[16];
+      int64_t longest = 0;
+      for (int64_t i = 0; i < tile * groups; ++i) {
+        const int64_t r = first + i / groups, at = (r * heads + h * groups + i % groups) * D;
+        queries[i] = qp + at;
+        outs[i] = op + at;
+        n[i] = lp[r];
+        longest = std::max(longest, n[i]);
+      }
+      context.lay_out(kp + h * num_slots * D, vp + h * num_slots * D, sp + bp[first], longest,
+                      reach[first]);
+      attend_amx<D>(queries, n, static_cast<int>(tile * groups), context, scale, *scratch, outs);
+    }
+    RS_TILE_RELEASE();
+  });
+}
+#endif
+
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& slots,
                            const at::Tensor& begins, const at::Tensor& lengths, double scale,
@@ -400,6 +484,14 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
   if (q.scalar_type() == at::kFloat) {
     run<float>(q, k_cache, v_cache, slots, begins, lengths, fscale, path, out);
   } else if (q.scalar_type() == at::kBFloat16) {
+#ifdef RS_X86
+    const int64_t dim = q.size(2), groups = q.size(1) / k_cache.size(0);
+    if (path >= 4 && groups >= 2 && groups <= 16 && (dim == 64 || dim == 128)) {
+      (dim == 64 ? run_amx<64> : run_amx<128>)(q, k_cache, v_cache, slots, begins, lengths,
+                                                fscale, out);
+      return out;
+    }
+#endif
     run<c10::BFloat16>(q, k_cache, v_cache, slots, begins, lengths, fscale, path, out);
   } else {
     TORCH_CHECK(false, "paged_attention supports float32 and bfloat16");

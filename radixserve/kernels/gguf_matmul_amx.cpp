@@ -22,17 +22,14 @@
 #include <cstdint>
 #include <cstring>
 
+#include "amx.h"
 #include "gguf_blocks.h"
 
 #ifdef RS_X86
 namespace radixserve::gguf {
 namespace {
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 0, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
+using amx::TileConfig;
 
 // tmm0, tmm1: C, 16 rows of 16 int32; tmm2, tmm3: A, 16 activation rows of `k_bytes`; tmm4,
 // tmm5: B, k_bytes / 4 rows of 64 bytes.
@@ -46,8 +43,7 @@ constexpr TileConfig config_for(int k_bytes) {
   return c;
 }
 
-// In static storage: a configuration built on the stack and only read by ldtilecfg can be
-// dropped by the compiler as dead stores (a known crash of llama.cpp's AMX path).
+// In static storage (amx.h says why).
 alignas(64) constexpr TileConfig kConfig32 = config_for(32);
 alignas(64) constexpr TileConfig kConfig16 = config_for(16);
 
@@ -75,21 +71,12 @@ RS_AMX inline int32_t pair(const int16_t* p) {
   return v;
 }
 
-// GCC's AMX intrinsics are asm statements that declare no memory access (ldtilecfg's one
-// pointer-sized word), so the compiler may drop or move the stores a tile load reads and the
-// loads after a tile store. These declare it. Tiles are named by number, as asm needs.
-#define RS_TILE_LOAD(T, p, stride) \
-  asm volatile("tileloadd (%0,%1,1), %%tmm" #T ::"r"(p), "r"(int64_t{stride}) : "memory")
-#define RS_TILE_STORE(T, p) \
-  asm volatile("tilestored %%tmm" #T ", (%0,%1,1)" ::"r"(p), "r"(int64_t{64}) : "memory")
-#define RS_TILE_ZERO(T) asm volatile("tilezero %%tmm" #T ::)
-#define RS_TILE_DP(OP, C, A, B) asm volatile(OP " %%tmm" #B ", %%tmm" #A ", %%tmm" #C ::)
 #define RS_TILE_MULTIPLY(C, A, B, OP) \
   RS_TILE_LOAD(A, a, row_bytes);      \
   RS_TILE_LOAD(B, b, 64);             \
   RS_TILE_ZERO(C);                    \
   RS_TILE_DP(OP, C, A, B);            \
-  RS_TILE_STORE(C, c)
+  RS_TILE_STORE(C, c, 64)
 
 // Tile multiply S (0 or 1: its own C, A and B tiles): activations a (16 rows, `row_bytes`
 // apart) by the weight bytes b (rows of 64 bytes), signed or unsigned weights, the sums
@@ -286,8 +273,8 @@ RS_AMX void superblock(const uint8_t* block, const uint8_t* unpacked, const Quan
       RS_TILE_DP("tdpbsud", 0, 2, 4);
       RS_TILE_DP("tdpbsud", 1, 2, 5);
     }
-    RS_TILE_STORE(0, c[0]);
-    RS_TILE_STORE(1, c[1]);
+    RS_TILE_STORE(0, c[0], 64);
+    RS_TILE_STORE(1, c[1], 64);
     for (int r = 0; r < kGroup; ++r)
       total[r] = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(c[0] + r * kRows), 3),
                                   _mm512_load_si512(c[1] + r * kRows));
@@ -367,7 +354,7 @@ RS_AMX void panel_amx(const Format& f, const uint8_t* panel, const QuantizedRows
     // Every call configures the tiles: other code on this thread (oneDNN's AMX matmuls) sets
     // its own configuration between ours.
     const TileConfig* config = f.kind == Kind::q6k ? &kConfig16 : &kConfig32;
-    asm volatile("ldtilecfg %0" ::"m"(*config) : "memory");
+    RS_TILE_CONFIG(*config);
     switch (f.kind) {
       case Kind::q8s: groups<Kind::q8s>(panel, a, r0, count, acc); break;
       case Kind::q4: groups<Kind::q4>(panel, a, r0, count, acc); break;
@@ -375,7 +362,7 @@ RS_AMX void panel_amx(const Format& f, const uint8_t* panel, const QuantizedRows
       case Kind::q4k: groups<Kind::q4k>(panel, a, r0, count, acc); break;
       case Kind::q6k: groups<Kind::q6k>(panel, a, r0, count, acc); break;
     }
-    asm volatile("tilerelease" ::: "memory");  // a context switch then need not save the tiles
+    RS_TILE_RELEASE();  // a context switch then need not save the tiles
   }
   const int64_t done = count * kGroup;
   if (rows > done) panel_avx512(f, panel, a, r0 + done, rows - done, acc + done * kRows);

@@ -25,6 +25,9 @@
 #define RS_AMX                                                                              \
   __attribute__((target("avx2,fma,f16c,avx512f,avx512dq,avx512bw,avx512vl,avx512vnni,"     \
                         "amx-tile,amx-int8")))
+// Attention's AMX path (decode_attention_amx.h).
+#define RS_AMXBF16 \
+  __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")))
 #endif
 
 namespace radixserve {
@@ -41,27 +44,30 @@ inline int cpu_level() {
 #endif
 }
 
-// AMX-TILE and AMX-INT8 in CPUID, their register state enabled by the OS (XCR0 bits 17 and
-// 18), and this process allowed to use it: Linux hands the tile data's 8 KB of state to a
-// process only once asked (arch_prctl ARCH_REQ_XCOMP_PERM), here on the first call.
-inline bool amx_int8_usable() {
+// AMX-TILE and the tile multiply `feature` (CPUID.7.0:EDX bit 25 AMX-INT8, bit 22 AMX-BF16)
+// in CPUID, their register state enabled by the OS (XCR0 bits 17 and 18), and this process
+// allowed to use it: Linux hands the tile data's 8 KB of state to a process only once asked
+// (arch_prctl ARCH_REQ_XCOMP_PERM), here on the first call.
+inline bool amx_usable(int feature) {
 #if defined(RS_X86) && defined(__linux__)
-  static const bool usable = [] {
+  // CPUID once: in a virtual machine each one is a trip to the hypervisor.
+  static const unsigned features = [] {
     unsigned eax, ebx, ecx, edx;
-    if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx) || !(ecx >> 27 & 1)) return false;  // OSXSAVE
-    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
-    if (!(edx >> 24 & 1) || !(edx >> 25 & 1)) return false;  // AMX-TILE, AMX-INT8
+    if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx) || !(ecx >> 27 & 1)) return 0u;  // OSXSAVE
+    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) || !(edx >> 24 & 1)) return 0u;
     unsigned xcr0_low, xcr0_high;
     asm volatile("xgetbv" : "=a"(xcr0_low), "=d"(xcr0_high) : "c"(0));
-    if ((xcr0_low >> 17 & 3) != 3) return false;  // XTILECFG, XTILEDATA
+    if ((xcr0_low >> 17 & 3) != 3) return 0u;  // XTILECFG, XTILEDATA
     constexpr long kRequestPermission = 0x1023, kTileData = 18;
-    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0 ? edx : 0u;
   }();
-  return usable;
+  return features >> feature & 1;
 #else
+  (void)feature;
   return false;
 #endif
 }
+constexpr int kAmxInt8 = 25, kAmxBf16 = 22;
 
 // The quantized matmul's path: 0 portable C++; 1 AVX2 with FMA and F16C; 2 AVX-512 (F, DQ,
 // BW, VL) with VNNI dot products; 3 that and AMX-INT8 tile multiplies for groups of 16
@@ -71,7 +77,7 @@ inline int quant_path() {
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
       __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
       __builtin_cpu_supports("avx512vnni"))
-    return amx_int8_usable() ? 3 : 2;
+    return amx_usable(kAmxInt8) ? 3 : 2;
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
       __builtin_cpu_supports("f16c"))
     return 1;
