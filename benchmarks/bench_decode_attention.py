@@ -10,6 +10,9 @@ Prefill: one layer's causal attention over a prompt's chunk (kernel vs SDPA), an
 prompt's prefill through the model with either prefill backend.
 
     .venv/bin/python benchmarks/bench_decode_attention.py --out results/decode_attention.json
+
+`--compare-path 3` also times the kernel's layer on a lower vector path (here the
+AVX512-BF16 one, beside the AMX path), in the same run.
 """
 
 from __future__ import annotations
@@ -62,7 +65,8 @@ def _requests(
     return requests, allocated
 
 
-def measure(llm: LLM, shape: tuple[str, int, int, int, int], repeat: int) -> dict:
+def measure(llm: LLM, shape: tuple[str, int, int, int, int], repeat: int,
+            compare_path: int | None = None) -> dict:
     label, n, prefixes, prefix_len, own = shape
     engine = llm.engine
     runner, model, pool = engine.runner, engine.model, engine.pool
@@ -93,6 +97,10 @@ def measure(llm: LLM, shape: tuple[str, int, int, int, int], repeat: int) -> dic
                 result["layer_portable_ms"] = best_ms(
                     lambda b=backend, m=metadata: b.forward(q, kv, kv, cache, m, out),
                     max(1, repeat // 10))
+                if compare_path is not None:
+                    backend.max_path = compare_path
+                    result["layer_compare_path_ms"] = best_ms(
+                        lambda b=backend, m=metadata: b.forward(q, kv, kv, cache, m, out), repeat)
                 backend.max_path = top
             result[f"step_{name}_ms"] = best_ms(
                 lambda: model(runner.build_batch(plan)[0], pool.layers), max(1, repeat // 10))
@@ -106,7 +114,7 @@ def measure(llm: LLM, shape: tuple[str, int, int, int, int], repeat: int) -> dic
     return result
 
 
-def measure_prefill(llm: LLM, tokens: int, repeat: int) -> dict:
+def measure_prefill(llm: LLM, tokens: int, repeat: int, compare_path: int | None = None) -> dict:
     """A `tokens`-long prompt prefilled in one chunk: one layer's attention (kernel vs SDPA)
     and the model's whole forward with either prefill backend."""
     engine = llm.engine
@@ -133,6 +141,11 @@ def measure_prefill(llm: LLM, tokens: int, repeat: int) -> dict:
             metadata = runner.build_batch(plan)[0].attention_plan.prefill
             result[f"layer_{name}_ms"] = best_ms(
                 lambda b=backend, m=metadata: b.forward(q, kv, kv, cache, m, out), repeat)
+            if name == "kernel" and compare_path is not None:
+                top, backend.max_path = backend.max_path, compare_path
+                result["layer_compare_path_ms"] = best_ms(
+                    lambda b=backend, m=metadata: b.forward(q, kv, kv, cache, m, out), repeat)
+                backend.max_path = top
             result[f"model_{name}_ms"] = best_ms(
                 lambda: model(runner.build_batch(plan)[0], pool.layers), 1, warmup=1)
         finally:
@@ -155,6 +168,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--repeat", type=int, default=50)
     parser.add_argument("--prefill-tokens", type=int, nargs="*", default=[500, 2000])
+    parser.add_argument("--compare-path", type=int, default=None,
+                        help="also time the kernel's layer capped at this path (an index of "
+                             f"ATTENTION_PATHS: {', '.join(ATTENTION_PATHS)})")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     print(f"CPU flags: {_cpu_flags()}; kernel path: {ATTENTION_PATHS[attention_path()]}; "
@@ -162,20 +178,24 @@ def main() -> None:
     llm = LLM(args.model, dtype=args.dtype, kv_cache_tokens=80_000, show_progress=False)
     rows = []
     for shape in SHAPES:
-        row = measure(llm, shape, args.repeat)
+        row = measure(llm, shape, args.repeat, args.compare_path)
         rows.append(row)
         print(f"{row['shape']:50s} layer: kernel {row['layer_kernel_ms']:.3f} ms "
               f"(portable {row['layer_portable_ms']:.3f}) vs torch "
               f"{row['layer_torch_ms']:.3f} ms ({row['layer_speedup']:.1f}x) | step: kernel "
               f"{row['step_kernel_ms']:.1f} ms vs torch {row['step_torch_ms']:.1f} ms "
-              f"({row['step_speedup']:.2f}x)", flush=True)
+              f"({row['step_speedup']:.2f}x)"
+              + (f" | layer at path {args.compare_path}: {row['layer_compare_path_ms']:.3f} ms"
+                 if args.compare_path is not None else ""), flush=True)
     for tokens in args.prefill_tokens:
-        row = measure_prefill(llm, tokens, max(1, args.repeat // 25))
+        row = measure_prefill(llm, tokens, max(1, args.repeat // 25), args.compare_path)
         rows.append(row)
         print(f"{row['shape']:50s} layer: kernel {row['layer_kernel_ms']:.1f} ms vs sdpa "
               f"{row['layer_sdpa_ms']:.1f} ms ({row['layer_speedup']:.2f}x) | model: kernel "
               f"{row['model_kernel_ms']:.0f} ms vs sdpa {row['model_sdpa_ms']:.0f} ms "
-              f"({row['model_speedup']:.2f}x)", flush=True)
+              f"({row['model_speedup']:.2f}x)"
+              + (f" | layer at path {args.compare_path}: {row['layer_compare_path_ms']:.1f} ms"
+                 if args.compare_path is not None else ""), flush=True)
     report = {
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "machine": platform.processor() or platform.machine(),
@@ -183,6 +203,7 @@ def main() -> None:
         "dtype": args.dtype,
         "cpu_flags": _cpu_flags(),
         "kernel_path": ATTENTION_PATHS[attention_path()],
+        "compare_path": None if args.compare_path is None else ATTENTION_PATHS[args.compare_path],
         "rows": rows,
     }
     if args.out:

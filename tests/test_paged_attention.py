@@ -148,6 +148,12 @@ def test_paths_really_differ_and_ignore_slot_layout():
     bf16_runs = {path: _run(qb, kb, vb, tables, 0.125, path) for path in PATHS}
     if top >= 3:  # bfloat16 probabilities on the BF16 path
         assert not torch.equal(bf16_runs[3], bf16_runs[2])
+    if top >= 4:  # the tiles sum each score over all dims in one order
+        assert not torch.equal(bf16_runs[4], bf16_runs[3])
+        # One query head per kv head runs path 3 (a decode row's tile would be 1/16 full).
+        q1, k1, v1, tables1 = _case(torch.bfloat16, 4, 4, 64, [40, 300], seed=6)
+        assert torch.equal(_run(q1, k1, v1, tables1, 0.125, 4),
+                           _run(q1, k1, v1, tables1, 0.125, 3))
     # A pool twice as large: the first two contexts move to fresh slots in the new half.
     fresh = random.Random(1).sample(range(k.shape[1], 2 * k.shape[1]), 340)
     moved_tables = [fresh[:40], fresh[40:], tables[2]]  # the 1,000-slot context stays
@@ -301,7 +307,10 @@ def test_backends_are_named_at_start_and_refused_where_they_cannot_run(model_pat
             **settings)
         LLM(str(model_path), **settings)
     assert "attention: decode torch, prefill sdpa; projections: torch" in caplog.text
-    assert "attention: decode kernel, prefill kernel; projections: torch" in caplog.text
+    # The kernel's vector path is named: float32 pools never run the bfloat16 paths.
+    path = ATTENTION_PATHS[min(attention_path(), 2)]
+    assert (f"attention: decode kernel ({path}), prefill kernel ({path}); projections: torch"
+            in caplog.text)
     with pytest.raises(ValueError, match="prefill_attention_backend='blocked' needs"):
         LLM(str(model_path), prefill_attention_backend="blocked", **settings)
     with pytest.raises(ValueError, match="prefill_attention_backend must be one of"):

@@ -61,6 +61,16 @@ def attention_path() -> int:
     return torch.ops.radixserve.attention_path() if _library() else 0
 
 
+def attention_path_for(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
+                       max_path: int) -> int:
+    """The path paged_attention runs at for this pool dtype and attention shape, capped at
+    `max_path` (an index of ATTENTION_PATHS): not every path takes every shape."""
+    if not _library():
+        return 0
+    return torch.ops.radixserve.attention_path_for(
+        dtype == torch.bfloat16, num_heads // num_kv_heads, head_dim, max_path)
+
+
 def skinny_matmul_op() -> Callable[..., torch.Tensor] | None:
     """`torch.ops.radixserve.skinny_matmul` where the CPU has AVX512-BF16, else None.
 

@@ -259,6 +259,17 @@ inline int best_path() {
   return 0;
 }
 
+// The path a call runs at, for its dtype and shape: the vector paths take head_dim 64 and 128
+// (others run portable C++), path 3 only bfloat16 pools (float32 ones run path 2), path 4
+// only bfloat16 pools with 2 to 16 query heads per kv head (others run path 3).
+inline int64_t path_for(bool bfloat16, int64_t groups, int64_t dim, int64_t max_path) {
+  int64_t path = std::min<int64_t>(max_path, best_path());
+  if (dim != 64 && dim != 128) return 0;
+  if (path == 4 && (!bfloat16 || groups < 2 || groups > 16)) path = 3;
+  if (path == 3 && !bfloat16) path = 2;
+  return path;
+}
+
 constexpr int64_t kTileRows = 8;
 constexpr int64_t kSerialKeys = 1024;  // below this many keys read, one thread does a call
 
@@ -479,19 +490,19 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
   for (int64_t i = 0; i < slots.numel(); ++i)
     TORCH_CHECK(sp[i] >= 0 && sp[i] < num_slots, "slot ", sp[i], " is outside the pool");
   at::Tensor out = at::empty_like(q);
-  const int path = static_cast<int>(std::min<int64_t>(max_path, best_path()));
+  const int path = static_cast<int>(
+      path_for(q.scalar_type() == at::kBFloat16, q.size(1) / k_cache.size(0), q.size(2), max_path));
   const float fscale = static_cast<float>(scale);
+#ifdef RS_X86
+  if (path == 4) {
+    (q.size(2) == 64 ? run_amx<64> : run_amx<128>)(q, k_cache, v_cache, slots, begins, lengths,
+                                                    fscale, out);
+    return out;
+  }
+#endif
   if (q.scalar_type() == at::kFloat) {
     run<float>(q, k_cache, v_cache, slots, begins, lengths, fscale, path, out);
   } else if (q.scalar_type() == at::kBFloat16) {
-#ifdef RS_X86
-    const int64_t dim = q.size(2), groups = q.size(1) / k_cache.size(0);
-    if (path >= 4 && groups >= 2 && groups <= 16 && (dim == 64 || dim == 128)) {
-      (dim == 64 ? run_amx<64> : run_amx<128>)(q, k_cache, v_cache, slots, begins, lengths,
-                                                fscale, out);
-      return out;
-    }
-#endif
     run<c10::BFloat16>(q, k_cache, v_cache, slots, begins, lengths, fscale, path, out);
   } else {
     TORCH_CHECK(false, "paged_attention supports float32 and bfloat16");
@@ -500,6 +511,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
 }
 
 int64_t attention_path() { return best_path(); }
+int64_t attention_path_for(bool bfloat16, int64_t groups, int64_t dim, int64_t max_path) {
+  return path_for(bfloat16, groups, dim, max_path);
+}
 int64_t decode_attention_level() { return cpu_level(); }
 
 }  // namespace
@@ -509,5 +523,7 @@ TORCH_LIBRARY(radixserve, m) {
         "Tensor begins, Tensor lengths, float scale, int max_path) -> Tensor");
   m.impl("paged_attention", c10::DispatchKey::CPU, TORCH_FN(paged_attention));
   m.def("attention_path() -> int", &attention_path);
+  m.def("attention_path_for(bool bfloat16, int groups, int dim, int max_path) -> int",
+        &attention_path_for);
   m.def("decode_attention_level() -> int", &decode_attention_level);
 }

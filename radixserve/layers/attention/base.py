@@ -114,6 +114,11 @@ class AttentionBackend(ABC):
         """Why this backend cannot run for `env` (None: it can)."""
         return None
 
+    def describe(self) -> str:
+        """The backend's name for the start-up log and the disk tier's fingerprint, with
+        whatever decides its arithmetic here."""
+        return self.name
+
     @abstractmethod
     def plan(self, spans: list[SequenceSpan]) -> object:
         """Once per step: this backend's metadata for `spans` (non-empty)."""
@@ -153,7 +158,7 @@ class StepAttention:
 
     @property
     def name(self) -> str:
-        return f"decode {self.decode.name}, prefill {self.prefill.name}"
+        return f"decode {self.decode.describe()}, prefill {self.prefill.describe()}"
 
     def plan(self, layout: StepLayout) -> StepPlan:
         return StepPlan(

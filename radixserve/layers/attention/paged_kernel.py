@@ -11,7 +11,8 @@ chunk), and with int8-quantized activations (the GGUF kernels) a last-bit differ
 a rounding and grow. It is also faster than SDPA on CPUs without AVX-512 (BENCHMARKS.md).
 
 CPU only, float32 or bfloat16; the kernel picks its vector path (portable, AVX2, AVX-512,
-AVX512-BF16) from the CPU at run time.
+AVX512-BF16, AMX-BF16 tiles) from the CPU, the dtype and the shape at run time; the start-up
+log names it.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import ClassVar, Literal
 import numpy as np
 import torch
 
-from radixserve.kernels import ATTENTION_PATHS, paged_attention_op
+from radixserve.kernels import ATTENTION_PATHS, attention_path_for, paged_attention_op
 from radixserve.layers.attention.base import (
     AttentionBackend,
     AttentionEnv,
@@ -69,6 +70,12 @@ class PagedKernel(AttentionBackend):
         if paged_attention_op() is None:
             return "a C++ compiler to build the kernel"
         return None
+
+    def describe(self) -> str:
+        env = self.env
+        path = attention_path_for(env.dtype, env.num_heads, env.num_kv_heads, env.head_dim,
+                                  self.max_path)
+        return f"{self.name} ({ATTENTION_PATHS[path]})"
 
     def plan(self, spans: list[SequenceSpan]) -> PagedRows:
         window = self.env.window
