@@ -397,7 +397,8 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
 #ifdef RS_X86
 // Path 4 (decode_attention_amx.h): tiles of up to 16 queries, the G query heads of up to 16 / G
 // consecutive rows that read one table (the rows of a prefill chunk; a decode row alone). A
-// thread lays out a context once for the tiles that read it, kv head by kv head.
+// thread lays out a context once for the tiles that read it, kv head by kv head, and streams
+// a context that one tile reads.
 template <int D>
 void run_amx(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
              const at::Tensor& slots, const at::Tensor& begins, const at::Tensor& lengths,
@@ -449,8 +450,14 @@ void run_amx(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
         n[i] = lp[r];
         longest = std::max(longest, n[i]);
       }
-      context.lay_out(kp + h * num_slots * D, vp + h * num_slots * D, sp + bp[first], longest,
-                      reach[first]);
+      const int64_t t = item % num_tiles;
+      const bool alone = (t == 0 || bp[tiles[t - 1]] != bp[first]) &&
+                         (t + 1 == num_tiles || bp[tiles[t + 1]] != bp[first]);
+      if (alone)  // a decode row: no other tile reads its context
+        context.stream(kp + h * num_slots * D, vp + h * num_slots * D, sp + bp[first], longest);
+      else
+        context.lay_out(kp + h * num_slots * D, vp + h * num_slots * D, sp + bp[first], longest,
+                        reach[first]);
       attend_amx<D>(queries, n, static_cast<int>(tile * groups), context, scale, *scratch, outs);
     }
     RS_TILE_RELEASE();

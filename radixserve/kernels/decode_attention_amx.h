@@ -91,28 +91,91 @@ RS_AMXBF16 inline void transpose16(__m512i* r) {
   }
 }
 
-// One context (one kv head's keys and values along a slot table), laid out for the tiles once
-// for all the tiles that read it. Keys: each block of 16 is read where it lies when its slots
-// are a run (the pool allocates runs), else from a copy; keys past the context's length are
-// zero. Values: as B operands (per 32 keys, D/16 tiles of 16 key pairs x 16 dims, each dim's
-// two keys side by side), zero past the length. Grown as longer rows of the table come.
+// Pair n of a 32-dim slice: dims n of the two keys (permutex2var's second source: +32).
+alignas(64) constexpr uint16_t kPairLow[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,
+                                               37, 6,  38, 7,  39, 8,  40, 9,  41, 10, 42,
+                                               11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+
+// Block `half` (keys 16 half .. 16 half + 15) of a context of n keys along `slots`, as rows D
+// apart: where they lie when the slots are a run (the pool allocates runs), else copied into
+// `copy` (zero past n).
+template <int D>
+RS_AMXBF16 inline const c10::BFloat16* key_block(const c10::BFloat16* pool_k,
+                                                 const int32_t* slots, int64_t n, int64_t half,
+                                                 c10::BFloat16* copy) {
+  const int64_t t0 = half * 16;
+  bool run = t0 + 16 <= n;
+  for (int64_t i = 1; i < 16 && run; ++i) run = slots[t0 + i] == slots[t0] + i;
+  if (run) return pool_k + static_cast<int64_t>(slots[t0]) * D;
+  for (int64_t t = t0; t < t0 + 16; ++t) {
+    if (t < n)
+      std::memcpy(copy + (t - t0) * D, pool_k + static_cast<int64_t>(slots[t]) * D,
+                  D * sizeof(*copy));
+    else
+      std::memset(copy + (t - t0) * D, 0, D * sizeof(*copy));
+  }
+  return copy;
+}
+
+// Values of keys 32 b .. 32 b + 31 (zero past n), dims 64 half .. 64 half + 63, as four B
+// tiles into `tiles`: tile j holds 16 key pairs x dims 64 half + 16 j .. + 15, each dim's two
+// keys side by side.
+template <int D>
+RS_AMXBF16 inline void value_block(const c10::BFloat16* pool_v, const int32_t* slots,
+                                   int64_t n, int64_t b, int half, uint16_t* tiles) {
+  const __m512i low = _mm512_load_si512(kPairLow);
+  const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
+  for (int64_t pair = 0; pair < 16; ++pair) {
+    const int64_t t = b * 32 + 2 * pair;
+    const c10::BFloat16* first = t < n ? pool_v + static_cast<int64_t>(slots[t]) * D : nullptr;
+    const c10::BFloat16* second =
+        t + 1 < n ? pool_v + static_cast<int64_t>(slots[t + 1]) * D : nullptr;
+    for (int c = 0; c < 2; ++c) {
+      const int64_t at = 64 * half + 32 * c;
+      const __m512i x = first ? _mm512_loadu_si512(first + at) : _mm512_setzero_si512();
+      const __m512i y = second ? _mm512_loadu_si512(second + at) : _mm512_setzero_si512();
+      uint16_t* tile = tiles + (2 * c * 16 + pair) * 32;
+      _mm512_storeu_si512(tile, _mm512_permutex2var_epi16(x, low, y));
+      _mm512_storeu_si512(tile + 16 * 32, _mm512_permutex2var_epi16(x, high, y));
+    }
+  }
+}
+
+// One context (one kv head's keys and values along a slot table), as attend_amx reads it.
+// Laid out, once for all the tiles that read it (a prefill chunk's): key blocks as key_block
+// gives them, values as value_block's B tiles (per 32 keys, D/16 tiles); grown as longer rows
+// of the table come. Or streamed, for a context only one tile reads (a decode row's): each
+// block is made as the tile reaches it, in L1, rather than written out and read back.
 template <int D>
 struct TiledContext {
-  const c10::BFloat16* pool_keys = nullptr;  // which context is laid out
+  const c10::BFloat16* pool_keys = nullptr;  // which context
+  const c10::BFloat16* pool_values = nullptr;
   const int32_t* table = nullptr;
-  int64_t length = 0;  // keys laid out
+  int64_t length = 0;  // keys laid out, or the streamed context's
+  bool streamed = false;
   Buffer<const c10::BFloat16*> key_blocks;  // [blocks * 2]: 16 rows of D, D apart
   Buffer<c10::BFloat16> keys;  // [blocks * 32][D], the copies
   Buffer<uint16_t> values;  // [blocks][D / 16][16 pairs][32]
+
+  void stream(const c10::BFloat16* pool_k, const c10::BFloat16* pool_v, const int32_t* slots,
+              int64_t n) {
+    pool_keys = pool_k;
+    pool_values = pool_v;
+    table = slots;
+    length = n;
+    streamed = true;
+  }
 
   // The first n keys of the table, room made for `capacity` (the longest row that will read
   // it), so that it is laid out once as it grows.
   RS_AMXBF16 void lay_out(const c10::BFloat16* pool_k, const c10::BFloat16* pool_v,
                           const int32_t* slots, int64_t n, int64_t capacity) {
-    if (pool_k != pool_keys || slots != table) {
+    if (streamed || pool_k != pool_keys || slots != table) {
       pool_keys = pool_k;
+      pool_values = pool_v;
       table = slots;
       length = 0;
+      streamed = false;
     }
     if (n <= length) return;
     const int64_t blocks = (n + 31) / 32, room = (std::max(n, capacity) + 31) / 32;
@@ -122,46 +185,26 @@ struct TiledContext {
       values.at_least(room * 32 * D);
       key_blocks.at_least(room * 2);
     }
-    // Pair n of a 32-dim slice: dims n of the two keys (permutex2var's second source: +32).
-    alignas(64) static constexpr uint16_t kLow[32] = {
-        0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
-        8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-    const __m512i low = _mm512_load_si512(kLow);
-    const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
     for (int64_t b = length / 32; b < blocks; ++b) {  // the last partial block again
-      for (int64_t half = 2 * b; half < 2 * b + 2; ++half) {
-        const int64_t t0 = half * 16;
-        bool run = t0 + 16 <= n;
-        for (int64_t i = 1; i < 16 && run; ++i) run = slots[t0 + i] == slots[t0] + i;
-        if (run) {
-          key_blocks.data[half] = pool_k + static_cast<int64_t>(slots[t0]) * D;
-          continue;
-        }
-        c10::BFloat16* copy = keys.data.get() + t0 * D;
-        key_blocks.data[half] = copy;
-        for (int64_t t = t0; t < t0 + 16; ++t) {
-          if (t < n)
-            std::memcpy(copy + (t - t0) * D, pool_k + static_cast<int64_t>(slots[t]) * D,
-                        D * sizeof(*copy));
-          else
-            std::memset(copy + (t - t0) * D, 0, D * sizeof(*copy));
-        }
-      }
-      for (int64_t pair = 0; pair < 16; ++pair) {
-        const int64_t t = b * 32 + 2 * pair;
-        const c10::BFloat16* first = t < n ? pool_v + static_cast<int64_t>(slots[t]) * D : nullptr;
-        const c10::BFloat16* second =
-            t + 1 < n ? pool_v + static_cast<int64_t>(slots[t + 1]) * D : nullptr;
-        for (int c = 0; c < D / 32; ++c) {
-          const __m512i x = first ? _mm512_loadu_si512(first + 32 * c) : _mm512_setzero_si512();
-          const __m512i y = second ? _mm512_loadu_si512(second + 32 * c) : _mm512_setzero_si512();
-          uint16_t* tile = values.data.get() + ((b * (D / 16) + 2 * c) * 16 + pair) * 32;
-          _mm512_storeu_si512(tile, _mm512_permutex2var_epi16(x, low, y));
-          _mm512_storeu_si512(tile + 16 * 32, _mm512_permutex2var_epi16(x, high, y));
-        }
-      }
+      for (int64_t half = 2 * b; half < 2 * b + 2; ++half)
+        key_blocks.data[half] = key_block<D>(pool_k, slots, n, half, keys.data.get() + half * 16 * D);
+      for (int half = 0; half < D / 64; ++half)
+        value_block<D>(pool_v, slots, n, b, half,
+                       values.data.get() + (b * (D / 16) + 4 * half) * 16 * 32);
     }
     length = n;
+  }
+
+  // Key block `half` and the values' tiles of block b, dims 64 half ..: laid out, or made in
+  // the caller's scratch.
+  RS_AMXBF16 const c10::BFloat16* keys_at(int64_t half, c10::BFloat16* scratch) const {
+    return streamed ? key_block<D>(pool_keys, table, length, half, scratch)
+                    : key_blocks.data[half];
+  }
+  RS_AMXBF16 const uint16_t* values_at(int64_t b, int half, uint16_t* scratch) const {
+    if (!streamed) return values.data.get() + (b * (D / 16) + 4 * half) * 16 * 32;
+    value_block<D>(pool_values, table, length, b, half, scratch);
+    return scratch;
   }
 };
 
@@ -170,6 +213,8 @@ struct AmxScratch {
   Buffer<float> scores;  // [keys][16 queries]
   Buffer<uint16_t> probs;  // [keys / 32][16 queries][32 keys], bfloat16
   alignas(64) uint32_t queries[4][16][16];  // B tiles of the queries' dim pairs
+  alignas(64) c10::BFloat16 keys[2][16 * 128];  // a streamed context's key blocks
+  alignas(64) uint16_t values[4 * 16 * 32];  // and value tiles
   alignas(64) float out[kQueries * 128];
 };
 
@@ -206,7 +251,6 @@ RS_AMXBF16 void attend_amx(const c10::BFloat16* const* q, const int64_t* n, int 
     transpose16(r);
     for (int k = 0; k < 16; ++k) _mm512_store_si512(s.queries[c][k], r[k]);
   }
-  const c10::BFloat16* const* key_blocks = ctx.key_blocks.data.get();
   const int64_t tiles16 = (longest + 15) / 16;
   // Two blocks of 16 keys at a time, each with its own A and C tiles, so that one block's
   // loads and multiplies need not wait for the other's to finish.
@@ -216,8 +260,8 @@ RS_AMXBF16 void attend_amx(const c10::BFloat16* const* q, const int64_t* n, int 
     RS_TILE_LOAD(3, s.queries[1], 64);
     int64_t b = 0;
     for (; b + 2 <= tiles16; b += 2) {
-      const c10::BFloat16* k = key_blocks[b];
-      const c10::BFloat16* next = key_blocks[b + 1];
+      const c10::BFloat16* k = ctx.keys_at(b, s.keys[0]);
+      const c10::BFloat16* next = ctx.keys_at(b + 1, s.keys[1]);
       RS_TILE_ZERO(0);
       RS_TILE_ZERO(5);
       RS_TILE_LOAD(1, k, key_bytes);
@@ -232,7 +276,7 @@ RS_AMXBF16 void attend_amx(const c10::BFloat16* const* q, const int64_t* n, int 
       RS_TILE_STORE(5, scores + (b + 1) * 16 * kQueries, 64);
     }
     if (b < tiles16) {
-      const c10::BFloat16* k = key_blocks[b];
+      const c10::BFloat16* k = ctx.keys_at(b, s.keys[0]);
       RS_TILE_ZERO(0);
       RS_TILE_LOAD(1, k, key_bytes);
       RS_TILE_LOAD(4, k + 32, key_bytes);
@@ -247,8 +291,8 @@ RS_AMXBF16 void attend_amx(const c10::BFloat16* const* q, const int64_t* n, int 
     RS_TILE_LOAD(5, s.queries[3], 64);
     int64_t b = 0;
     for (; b + 2 <= tiles16; b += 2) {
-      const c10::BFloat16* k = key_blocks[b];
-      const c10::BFloat16* next = key_blocks[b + 1];
+      const c10::BFloat16* k = ctx.keys_at(b, s.keys[0]);
+      const c10::BFloat16* next = ctx.keys_at(b + 1, s.keys[1]);
       RS_TILE_ZERO(0);
       RS_TILE_ZERO(6);
       RS_TILE_LOAD(1, k, key_bytes);
@@ -271,7 +315,7 @@ RS_AMXBF16 void attend_amx(const c10::BFloat16* const* q, const int64_t* n, int 
       RS_TILE_STORE(6, scores + (b + 1) * 16 * kQueries, 64);
     }
     if (b < tiles16) {
-      const c10::BFloat16* k = key_blocks[b];
+      const c10::BFloat16* k = ctx.keys_at(b, s.keys[0]);
       RS_TILE_ZERO(0);
       RS_TILE_LOAD(1, k, key_bytes);
       RS_TILE_DP("tdpbf16ps", 0, 1, 2);
@@ -332,7 +376,6 @@ RS_AMXBF16 void attend_amx(const c10::BFloat16* const* q, const int64_t* n, int 
   const __m512 total = _mm512_add_ps(_mm512_add_ps(sum0, sum1), _mm512_add_ps(sum2, sum3));
 
   // out = P V, 64 dims (four C tiles) at a time.
-  const uint16_t* values = ctx.values.data.get();
   for (int half = 0; half < D / 64; ++half) {
     RS_TILE_ZERO(0);
     RS_TILE_ZERO(1);
@@ -341,7 +384,7 @@ RS_AMXBF16 void attend_amx(const c10::BFloat16* const* q, const int64_t* n, int 
     // Blocks alternate A tiles (4, 7) and slices alternate B tiles (5, 6): a load need not
     // wait for the multiply before it to have read its tile.
     for (int64_t b = 0; b < blocks; ++b) {
-      const uint16_t* v = values + (b * (D / 16) + 4 * half) * 16 * 32;
+      const uint16_t* v = ctx.values_at(b, half, s.values);
       const uint16_t* p = probs + b * 16 * 32;
       if (b % 2 == 0) {
         RS_TILE_LOAD(4, p, 64);
