@@ -2,11 +2,13 @@
 // One call attends a tile of up to 16 queries (the query heads of one kv head, for the rows of
 // one context: a prefill chunk's rows, or one decode row) with tile multiplies:
 //
-//   scores S^T = K Q^T  A: 16 keys x 32 dims as they lie (a copy of the context's keys), B: the
-//                       queries' dims in pairs, C: 16 keys x 16 queries of float32 sums
+//   scores S^T = K Q^T  A: 16 keys x 32 dims (where they lie in the pool when their slots are
+//                       a run, else copied), B: the queries' dims in pairs, C: 16 keys x 16
+//                       queries of float32 sums
 //   softmax             per query column, vectorised across the 16 queries, one key at a time
 //   out = P V           A: 16 queries x 32 keys of probabilities (rounded to bfloat16), B: V
-//                       in key pairs (a copy of the context's values, interleaved once)
+//                       with each dim's two keys side by side (interleaved once per prefill
+//                       chunk and kv head, or block by block for a decode row: TiledContext)
 //
 // A query's bits are a function of its own query, its context and its length alone: each tile
 // sum reads one A row and one B column; the max, exponentials and the four running sums of
