@@ -53,9 +53,9 @@ struct Buffer {
   }
 };
 
-// Every tile 16 rows of 64 bytes. Scores: B (queries) in tmm2-3 (D 64) or tmm2-5 (D 128), C and
-// A (keys) in the rest. Output: C (four 16-dim slices) in tmm0-3, A (probabilities) in tmm4
-// and tmm7, B (values) in tmm5-6.
+// Every tile 16 rows of 64 bytes. Scores: B (queries) in tmm2-3 (D 64) or tmm2-5 (D 128), A
+// (keys) in tmm1 and tmm7, C in tmm0 and tmm6. Output: C (four 16-dim slices) in tmm0-3, A
+// (probabilities) in tmm4 and tmm7, B (values) in tmm5-6.
 constexpr amx::TileConfig attention_config() {
   amx::TileConfig c;
   c.palette = 1;
@@ -232,6 +232,28 @@ RS_AMXBF16 inline __m512 weight(const float* scores, __m512 top, __m512 scale, _
   return e;
 }
 
+// Dims 32 S .. 32 S + 31 of the scores of key blocks k and next (null: k alone): A in tmm1
+// and tmm7, B (the queries' slice) in tmm2 + S, sums into tmm0 and tmm6.
+template <int S>
+RS_AMXBF16 inline void score_slice(const c10::BFloat16* k, const c10::BFloat16* next,
+                                   int64_t key_bytes) {
+  RS_TILE_LOAD(1, k + 32 * S, key_bytes);
+  if (next) RS_TILE_LOAD(7, next + 32 * S, key_bytes);
+#define RS_SLICE(B)                        \
+  RS_TILE_DP("tdpbf16ps", 0, 1, B);        \
+  if (next) RS_TILE_DP("tdpbf16ps", 6, 7, B)
+  if constexpr (S == 0) {
+    RS_SLICE(2);
+  } else if constexpr (S == 1) {
+    RS_SLICE(3);
+  } else if constexpr (S == 2) {
+    RS_SLICE(4);
+  } else {
+    RS_SLICE(5);
+  }
+#undef RS_SLICE
+}
+
 // Queries q[i] (D bfloat16 values; i < count <= 16) with lengths n[i] over the context laid
 // out in ctx (at least max n[i] keys); outputs to outs[i]. The tiles are configured by the
 // caller (kAttentionConfig).
@@ -253,82 +275,28 @@ RS_AMXBF16 void attend_amx(const c10::BFloat16* const* q, const int64_t* n, int 
     transpose16(r);
     for (int k = 0; k < 16; ++k) _mm512_store_si512(s.queries[c][k], r[k]);
   }
-  const int64_t tiles16 = (longest + 15) / 16;
   // Two blocks of 16 keys at a time, each with its own A and C tiles, so that one block's
   // loads and multiplies need not wait for the other's to finish.
-  const int64_t key_bytes = 2 * D;
-  if constexpr (D == 64) {
-    RS_TILE_LOAD(2, s.queries[0], 64);
-    RS_TILE_LOAD(3, s.queries[1], 64);
-    int64_t b = 0;
-    for (; b + 2 <= tiles16; b += 2) {
-      const c10::BFloat16* k = ctx.keys_at(b, s.keys[0]);
-      const c10::BFloat16* next = ctx.keys_at(b + 1, s.keys[1]);
-      RS_TILE_ZERO(0);
-      RS_TILE_ZERO(5);
-      RS_TILE_LOAD(1, k, key_bytes);
-      RS_TILE_LOAD(4, k + 32, key_bytes);
-      RS_TILE_LOAD(6, next, key_bytes);
-      RS_TILE_LOAD(7, next + 32, key_bytes);
-      RS_TILE_DP("tdpbf16ps", 0, 1, 2);
-      RS_TILE_DP("tdpbf16ps", 5, 6, 2);
-      RS_TILE_DP("tdpbf16ps", 0, 4, 3);
-      RS_TILE_DP("tdpbf16ps", 5, 7, 3);
-      RS_TILE_STORE(0, scores + b * 16 * kQueries, 64);
-      RS_TILE_STORE(5, scores + (b + 1) * 16 * kQueries, 64);
-    }
-    if (b < tiles16) {
-      const c10::BFloat16* k = ctx.keys_at(b, s.keys[0]);
-      RS_TILE_ZERO(0);
-      RS_TILE_LOAD(1, k, key_bytes);
-      RS_TILE_LOAD(4, k + 32, key_bytes);
-      RS_TILE_DP("tdpbf16ps", 0, 1, 2);
-      RS_TILE_DP("tdpbf16ps", 0, 4, 3);
-      RS_TILE_STORE(0, scores + b * 16 * kQueries, 64);
-    }
-  } else {
-    RS_TILE_LOAD(2, s.queries[0], 64);
-    RS_TILE_LOAD(3, s.queries[1], 64);
+  const int64_t tiles16 = (longest + 15) / 16;
+  RS_TILE_LOAD(2, s.queries[0], 64);
+  RS_TILE_LOAD(3, s.queries[1], 64);
+  if constexpr (D == 128) {
     RS_TILE_LOAD(4, s.queries[2], 64);
     RS_TILE_LOAD(5, s.queries[3], 64);
-    int64_t b = 0;
-    for (; b + 2 <= tiles16; b += 2) {
-      const c10::BFloat16* k = ctx.keys_at(b, s.keys[0]);
-      const c10::BFloat16* next = ctx.keys_at(b + 1, s.keys[1]);
-      RS_TILE_ZERO(0);
-      RS_TILE_ZERO(6);
-      RS_TILE_LOAD(1, k, key_bytes);
-      RS_TILE_LOAD(7, next, key_bytes);
-      RS_TILE_DP("tdpbf16ps", 0, 1, 2);
-      RS_TILE_DP("tdpbf16ps", 6, 7, 2);
-      RS_TILE_LOAD(1, k + 32, key_bytes);
-      RS_TILE_LOAD(7, next + 32, key_bytes);
-      RS_TILE_DP("tdpbf16ps", 0, 1, 3);
-      RS_TILE_DP("tdpbf16ps", 6, 7, 3);
-      RS_TILE_LOAD(1, k + 64, key_bytes);
-      RS_TILE_LOAD(7, next + 64, key_bytes);
-      RS_TILE_DP("tdpbf16ps", 0, 1, 4);
-      RS_TILE_DP("tdpbf16ps", 6, 7, 4);
-      RS_TILE_LOAD(1, k + 96, key_bytes);
-      RS_TILE_LOAD(7, next + 96, key_bytes);
-      RS_TILE_DP("tdpbf16ps", 0, 1, 5);
-      RS_TILE_DP("tdpbf16ps", 6, 7, 5);
-      RS_TILE_STORE(0, scores + b * 16 * kQueries, 64);
-      RS_TILE_STORE(6, scores + (b + 1) * 16 * kQueries, 64);
+  }
+  for (int64_t b = 0; b < tiles16; b += 2) {
+    const c10::BFloat16* k = ctx.keys_at(b, s.keys[0]);
+    const c10::BFloat16* next = b + 1 < tiles16 ? ctx.keys_at(b + 1, s.keys[1]) : nullptr;
+    RS_TILE_ZERO(0);
+    RS_TILE_ZERO(6);
+    score_slice<0>(k, next, 2 * D);
+    score_slice<1>(k, next, 2 * D);
+    if constexpr (D == 128) {
+      score_slice<2>(k, next, 2 * D);
+      score_slice<3>(k, next, 2 * D);
     }
-    if (b < tiles16) {
-      const c10::BFloat16* k = ctx.keys_at(b, s.keys[0]);
-      RS_TILE_ZERO(0);
-      RS_TILE_LOAD(1, k, key_bytes);
-      RS_TILE_DP("tdpbf16ps", 0, 1, 2);
-      RS_TILE_LOAD(1, k + 32, key_bytes);
-      RS_TILE_DP("tdpbf16ps", 0, 1, 3);
-      RS_TILE_LOAD(1, k + 64, key_bytes);
-      RS_TILE_DP("tdpbf16ps", 0, 1, 4);
-      RS_TILE_LOAD(1, k + 96, key_bytes);
-      RS_TILE_DP("tdpbf16ps", 0, 1, 5);
-      RS_TILE_STORE(0, scores + b * 16 * kQueries, 64);
-    }
+    RS_TILE_STORE(0, scores + b * 16 * kQueries, 64);
+    if (next) RS_TILE_STORE(6, scores + (b + 1) * 16 * kQueries, 64);
   }
 
   // Softmax down each query's column: key t counts for query i while t < n[i].
