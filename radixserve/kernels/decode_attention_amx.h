@@ -55,7 +55,7 @@ struct Buffer {
 
 // Every tile 16 rows of 64 bytes. Scores: B (queries) in tmm2-3 (D 64) or tmm2-5 (D 128), A
 // (keys) in tmm1 and tmm7, C in tmm0 and tmm6. Output: C (four 16-dim slices) in tmm0-3, A
-// (probabilities) in tmm4 and tmm7, B (values) in tmm5-6.
+// (probabilities) in tmm4, B (values) in tmm5-6.
 constexpr amx::TileConfig attention_config() {
   amx::TileConfig c;
   c.palette = 1;
@@ -351,32 +351,19 @@ RS_AMXBF16 void attend_amx(const c10::BFloat16* const* q, const int64_t* n, int 
     RS_TILE_ZERO(1);
     RS_TILE_ZERO(2);
     RS_TILE_ZERO(3);
-    // Blocks alternate A tiles (4, 7) and slices alternate B tiles (5, 6): a load need not
-    // wait for the multiply before it to have read its tile.
+    // Slices alternate B tiles (5, 6): a load need not wait for the multiply before it to
+    // have read its tile.
     for (int64_t b = 0; b < blocks; ++b) {
       const uint16_t* v = ctx.values_at(b, half, s.values);
-      const uint16_t* p = probs + b * 16 * 32;
-      if (b % 2 == 0) {
-        RS_TILE_LOAD(4, p, 64);
-        RS_TILE_LOAD(5, v, 64);
-        RS_TILE_LOAD(6, v + 16 * 32, 64);
-        RS_TILE_DP("tdpbf16ps", 0, 4, 5);
-        RS_TILE_DP("tdpbf16ps", 1, 4, 6);
-        RS_TILE_LOAD(5, v + 2 * 16 * 32, 64);
-        RS_TILE_LOAD(6, v + 3 * 16 * 32, 64);
-        RS_TILE_DP("tdpbf16ps", 2, 4, 5);
-        RS_TILE_DP("tdpbf16ps", 3, 4, 6);
-      } else {
-        RS_TILE_LOAD(7, p, 64);
-        RS_TILE_LOAD(5, v, 64);
-        RS_TILE_LOAD(6, v + 16 * 32, 64);
-        RS_TILE_DP("tdpbf16ps", 0, 7, 5);
-        RS_TILE_DP("tdpbf16ps", 1, 7, 6);
-        RS_TILE_LOAD(5, v + 2 * 16 * 32, 64);
-        RS_TILE_LOAD(6, v + 3 * 16 * 32, 64);
-        RS_TILE_DP("tdpbf16ps", 2, 7, 5);
-        RS_TILE_DP("tdpbf16ps", 3, 7, 6);
-      }
+      RS_TILE_LOAD(4, probs + b * 16 * 32, 64);
+      RS_TILE_LOAD(5, v, 64);
+      RS_TILE_LOAD(6, v + 16 * 32, 64);
+      RS_TILE_DP("tdpbf16ps", 0, 4, 5);
+      RS_TILE_DP("tdpbf16ps", 1, 4, 6);
+      RS_TILE_LOAD(5, v + 2 * 16 * 32, 64);
+      RS_TILE_LOAD(6, v + 3 * 16 * 32, 64);
+      RS_TILE_DP("tdpbf16ps", 2, 4, 5);
+      RS_TILE_DP("tdpbf16ps", 3, 4, 6);
     }
     float* o = s.out + 64 * half;
     RS_TILE_STORE(0, o, D * 4);
