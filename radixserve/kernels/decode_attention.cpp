@@ -247,8 +247,8 @@ RS_AVX2 void attend_tile_avx2(const float* q, int64_t tile, const int64_t* n, co
 // The vector path (an index of the Python side's ATTENTION_PATHS): 0 portable C++, 1 AVX2 with
 // FMA, 2 AVX-512, 3 AVX-512 with BF16 (bfloat16 pools only; float32 ones run path 2 there), 4
 // that and AMX-BF16 tile multiplies (bfloat16 pools with head_dim 64 or 128 and 2 to 16 query
-// heads per kv head; others run path 3: with one query per kv head, a decode row would lay out
-// its context for a tile of one query, 3x path 3's time).
+// heads per kv head; others run path 3: with one query per kv head, a decode row's tile would
+// hold one query, and its decode attention took 1.5-1.7x path 3's time).
 inline int best_path() {
   const int level = cpu_level();
   if (level == 2 && radixserve::amx_usable(radixserve::kAmxBf16)) return 4;
