@@ -173,6 +173,9 @@ def main() -> None:
                              f"ATTENTION_PATHS: {', '.join(ATTENTION_PATHS)})")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    if args.compare_path is not None and not 0 <= args.compare_path <= attention_path():
+        parser.error(f"--compare-path {args.compare_path} is not a path this CPU runs "
+                     f"(0 to {attention_path()}: {', '.join(ATTENTION_PATHS[:attention_path() + 1])})")
     print(f"CPU flags: {_cpu_flags()}; kernel path: {ATTENTION_PATHS[attention_path()]}; "
           f"dtype {args.dtype}; {torch.get_num_threads()} threads")
     llm = LLM(args.model, dtype=args.dtype, kv_cache_tokens=80_000, show_progress=False)

@@ -80,8 +80,8 @@ def test_kernel_builds_here_and_reports_the_cpu_path():
     assert attention_path() == expected
     skipped = [name for i, name in enumerate(ATTENTION_PATHS) if i > expected]
     print(f"attention paths tested here: {ATTENTION_PATHS[:expected + 1]}; "
-          f"not this CPU's (they run as the best path it has; the AVX-512 ones but AMX also "
-          f"on an emulated CPU in test_emulated_avx512.py): {skipped}")
+          f"not this CPU's (they run as the best path it has; the AVX-512 ones, AMX aside, "
+          f"also on an emulated CPU in test_emulated_avx512.py): {skipped}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -143,6 +143,17 @@ inline void norm_row(const T* xr, const T* w, T* yr, int64_t h, double eps, bool
   rms_norm_row(xr, w, yr, h, eps);
 }
 
+// s = x + d rounded to the dtype, on the vector path where it applies.
+template <typename T>
+inline void add_row(const T* xr, const T* dr, T* sr, int64_t h, bool vector) {
+#ifdef RS_X86
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (vector) return add_rows_bf16(xr, dr, sr, h);
+  }
+#endif
+  for (int64_t c = 0; c < h; ++c) sr[c] = static_cast<T>(load(xr, c) + load(dr, c));
+}
+
 template <typename T>
 void rms_norm_rows(const T* x, const T* w, T* y, int64_t rows, int64_t h, double eps) {
   const int64_t grain = std::max<int64_t>(1, kGrainElements / h);
@@ -161,20 +172,8 @@ void add_rms_norm_rows(const T* x, const T* d, const T* w, T* s, T* y, int64_t r
   const bool vector = bf16_rows();
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const T* xr = x + r * h;
-      const T* dr = d + r * h;
-      T* sr = s + r * h;
-#ifdef RS_X86
-      if constexpr (std::is_same_v<T, c10::BFloat16>) {
-        if (vector) {
-          add_rows_bf16(xr, dr, sr, h);
-          rms_norm_row_bf16(sr, w, y + r * h, h, eps);
-          continue;
-        }
-      }
-#endif
-      for (int64_t c = 0; c < h; ++c) sr[c] = static_cast<T>(load(xr, c) + load(dr, c));
-      rms_norm_row(sr, w, y + r * h, h, eps);
+      add_row(x + r * h, d + r * h, s + r * h, h, vector);
+      norm_row(s + r * h, w, y + r * h, h, eps, vector);
     }
   });
 }
@@ -243,9 +242,10 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
     at::silu_out(out, part.narrow(1, 0, half));
 #ifdef RS_X86
     if (vector) {  // PyTorch's bfloat16 mul_, without its strided iteration (3x the time)
+      c10::BFloat16* products = y.data_ptr<c10::BFloat16>();
+      const c10::BFloat16* up = gate_up.data_ptr<c10::BFloat16>() + half;
       for (int64_t r = begin; r < end; ++r)
-        mul_rows_bf16(y.data_ptr<c10::BFloat16>() + r * half,
-                      gate_up.data_ptr<c10::BFloat16>() + r * 2 * half + half, half);
+        mul_rows_bf16(products + r * half, up + r * 2 * half, half);
       return;
     }
 #endif
