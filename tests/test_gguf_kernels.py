@@ -353,6 +353,27 @@ def test_parts_of_mixed_types_in_one_call_equal_separate_calls():
         assert torch.equal(fused, separate)
 
 
+def test_bfloat16_outputs_are_the_float_outputs_rounded_as_torch_rounds():
+    # The kernel writes a run of panels row by row, its bfloat16 outputs rounded in vector
+    # registers: they must be the float32 outputs of the same activations rounded by torch
+    # (to nearest even), for parts whose rows end inside a panel, runs that cross parts, more
+    # than one chunk of 256 rows and a bias; and huge values must round to infinity.
+    parts = [(70, Q.Q8_0), (37, Q.Q4_0), (100, Q.Q8_0), (21, Q.Q4_1)]
+    raws = [_weights(n, 256, kind, seed=n)[0] for n, kind in parts]
+    panels = [OPS.pack(torch.from_numpy(raw), int(kind))
+              for raw, (_, kind) in zip(raws, parts, strict=True)]
+    types, rows = [int(k) for _, k in parts], [n for n, _ in parts]
+    bias = torch.randn(sum(rows))
+    bias[::7] = 3.4e38  # past bfloat16's largest finite value (3.39e38): rounds to infinity
+    x = torch.randn(300, 256).to(torch.bfloat16)
+    for path in range(BEST + 1):
+        wide = OPS.linear(x.float(), panels, types, rows, bias, path)
+        narrow = OPS.linear(x, panels, types, rows, bias, path)
+        assert narrow.dtype == torch.bfloat16
+        assert torch.equal(narrow.view(torch.int16), wide.to(torch.bfloat16).view(torch.int16))
+        assert narrow[:, ::7].float().abs().eq(float("inf")).any()
+
+
 QUANTS_AT = {Q.Q8_0: 2, Q.Q4_0: 2, Q.Q4_1: 4, Q.Q4_K: 16}  # where a block's quants start
 BLOCK_BYTES = {Q.Q8_0: 34, Q.Q4_0: 18, Q.Q4_1: 20, Q.Q4_K: 144, Q.Q6_K: 210}
 

@@ -139,6 +139,9 @@ struct QuantizedRows {
   // 16 rows k bytes apart, which for k a multiple of 4096 all fall in one set of the L1
   // cache. nullptr where the call does not run that path.
   const int8_t* tiles = nullptr;
+  // Blocks of 32 on that path: dx by tile, the 16 rows' scales of a group's block side by side,
+  // so that the float step takes each row's scale at a fixed offset.
+  const float* tile_dx = nullptr;
 };
 
 // Float accumulators of one panel for activation rows [r0, r0 + rows): acc[r * 16 + lane].

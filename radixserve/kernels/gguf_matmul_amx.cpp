@@ -107,14 +107,33 @@ RS_AMX inline void unpack_q4(const uint8_t* units, uint8_t* out) {
   }
 }
 
-// The float step of Q8_0 block b for the 16 rows from r0, given their int32 sums.
-RS_AMX inline void float_step_q8(const uint8_t* block, const QuantizedRows& a, int64_t r0,
-                                 int64_t b, const int32_t* sums, __m512* sum) {
+// Q8_0's tile multiply, its memory declared exactly rather than as a "memory" clobber: with
+// the clobber the compiler kept the 16 float sums in memory across each tile instruction, a
+// load and a store per row and block beside the tile's own 16 stores.
+struct TileBytes { int8_t v[kTileBytes]; };
+struct TileSums { int32_t v[kGroup * kRows]; };
+#define RS_Q8_MULTIPLY(C, A, B, a, b, c)                                                   \
+  do {                                                                                     \
+    asm volatile("tileloadd (%1,%2,1), %%tmm" #A ::"m"(*reinterpret_cast<const TileBytes*>(a)), \
+                 "r"(a), "r"(int64_t{32}));                                                \
+    asm volatile("tileloadd (%1,%2,1), %%tmm" #B ::"m"(*reinterpret_cast<const TileBytes*>(b)), \
+                 "r"(b), "r"(int64_t{64}));                                                \
+    asm volatile("tilezero %%tmm" #C ::);                                                  \
+    asm volatile("tdpbssd %%tmm" #B ", %%tmm" #A ", %%tmm" #C ::);                         \
+    asm volatile("tilestored %%tmm" #C ", (%1,%2,1)"                                       \
+                 : "=m"(*reinterpret_cast<TileSums*>(c))                                   \
+                 : "r"(c), "r"(int64_t{64}));                                              \
+  } while (0)
+
+// The float step of Q8_0 block b for a group's 16 rows, given their int32 sums and their
+// scales side by side (QuantizedRows::tile_dx).
+RS_AMX inline void float_step_q8(const uint8_t* block, const float* dx, const TileSums& sums,
+                                 __m512* sum) {
   const __m512 d = halves(block);
+#pragma GCC unroll 16
   for (int r = 0; r < kGroup; ++r) {
-    const __m512i p = _mm512_load_si512(sums + r * kRows);
-    sum[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p),
-                             _mm512_mul_ps(d, _mm512_set1_ps(a.dx[(r0 + r) * a.blocks + b])),
+    const __m512i p = _mm512_load_si512(sums.v + r * kRows);
+    sum[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(d, _mm512_set1_ps(dx[r])),
                              sum[r]);
   }
 }
@@ -123,29 +142,41 @@ RS_AMX inline void float_step_q8(const uint8_t* block, const QuantizedRows& a, i
 // tile as they are, and the 16 rows' float sums stay in registers.
 RS_AMX void group_q8(const uint8_t* panel, const QuantizedRows& a, int64_t r0, float* acc) {
   constexpr int64_t stride = kQ8_0.panel_bytes, units_at = kQ8_0.units_at;
-  alignas(64) int32_t c[2][kGroup * kRows];
+  const int64_t blocks = a.blocks;
+  alignas(64) TileSums c[2];
+  // Unrolled before GCC decides where the array lives, which keeps it in registers.
   __m512 sum[kGroup];
+#pragma GCC unroll 16
   for (int r = 0; r < kGroup; ++r) sum[r] = _mm512_setzero_ps();
-  const int8_t* q = a.tiles + r0 / kGroup * a.blocks * kTileBytes;  // block b at b * 512
+  const int8_t* q = a.tiles + r0 / kGroup * blocks * kTileBytes;  // block b at b * 512
+  const float* dx = a.tile_dx + r0 / kGroup * blocks * kGroup;    // block b at b * 16
   // Block b + 1's multiply is issued before block b's float step, so that each step reads
   // sums stored a step earlier.
-  multiply<0, true>(q, 32, panel + units_at, c[0]);
-  for (int64_t b = 0; b < a.blocks; b += 2) {
+  RS_Q8_MULTIPLY(0, 2, 4, q, panel + units_at, &c[0]);
+  for (int64_t b = 0; b < blocks; b += 2) {
     // The weights come from memory (a decode step's batch reads each once): ask for two
     // blocks kAheadBlocks ahead, past the panel's end into the next one's. With the
     // hardware's prefetch alone, 32 rows on cold weights ran 1.15x slower.
     const char* ahead = reinterpret_cast<const char*>(panel + (b + kAheadBlocks) * stride);
     for (int64_t i = 0; i < 2 * stride; i += 64) _mm_prefetch(ahead + i, _MM_HINT_T0);
-    if (b + 1 < a.blocks)
-      multiply<1, true>(q + kTileBytes * (b + 1), 32, panel + (b + 1) * stride + units_at, c[1]);
-    float_step_q8(panel + b * stride, a, r0, b, c[0], sum);
-    if (b + 1 >= a.blocks) break;
-    if (b + 2 < a.blocks)
-      multiply<0, true>(q + kTileBytes * (b + 2), 32, panel + (b + 2) * stride + units_at, c[0]);
-    float_step_q8(panel + (b + 1) * stride, a, r0, b + 1, c[1], sum);
+    if (b + 1 < blocks) {
+      const int8_t* qa = q + kTileBytes * (b + 1);
+      const uint8_t* wb = panel + (b + 1) * stride + units_at;
+      RS_Q8_MULTIPLY(1, 3, 5, qa, wb, &c[1]);
+    }
+    float_step_q8(panel + b * stride, dx + b * kGroup, c[0], sum);
+    if (b + 1 >= blocks) break;
+    if (b + 2 < blocks) {
+      const int8_t* qa = q + kTileBytes * (b + 2);
+      const uint8_t* wb = panel + (b + 2) * stride + units_at;
+      RS_Q8_MULTIPLY(0, 2, 4, qa, wb, &c[0]);
+    }
+    float_step_q8(panel + (b + 1) * stride, dx + (b + 1) * kGroup, c[1], sum);
   }
+#pragma GCC unroll 16
   for (int r = 0; r < kGroup; ++r) _mm512_storeu_ps(acc + r * kRows, sum[r]);
 }
+#undef RS_Q8_MULTIPLY
 
 // Q4_0 and Q4_1 for `count` groups of 16 rows from r0: each block unpacked once for up to
 // kGroupsPerUnpack groups, the float sums in acc.
