@@ -68,6 +68,12 @@ def test_pack_puts_16_rows_k_major_and_pads_with_zeros():
     assert panels.shape == (3, 5, 16) and panels.dtype == torch.bfloat16
     assert torch.equal(panels[1, :, 3].float(), weight[19])
     assert torch.equal(panels[2, :, 5:], torch.zeros(5, 11, dtype=torch.bfloat16))
+    # Panels of 4 MB or more start on a 2 MB boundary, where huge pages can hold them
+    # (test_gguf_kernels.py checks the pages themselves).
+    big = torch.randn(1040, 2048)
+    panels = OPS.pack(big, torch.bfloat16)
+    assert panels.data_ptr() % (2 << 20) == 0
+    assert torch.equal(panels[64, :, 15], big[64 * 16 + 15].to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("path", _paths())

@@ -4,6 +4,7 @@ small ops in one call each (layer_ops.cpp), bfloat16 matmuls of a few rows
 (skinny_matmul.cpp), float32 matmuls on 16-bit weights for CPUs without bfloat16 dot products
 (skinny_float.cpp), matmuls with GGUF-quantized weights (gguf_pack.cpp, gguf_matmul*.cpp) and
 a model's decoder layers run by one call of those kernels (decoder_stack.cpp), in one library.
+Packed weights live on 2 MB pages where Linux gives them (huge_pages.cpp).
 
 Each has a PyTorch fallback: when no compiler (or ninja) is at hand the loader returns None,
 logs why once, and the engine keeps its PyTorch paths. The build lands under the radixserve
@@ -33,11 +34,12 @@ _SOURCES = [Path(__file__).with_name(name)
             for name in ("decode_attention.cpp", "skinny_matmul.cpp", "gguf_pack.cpp",
                          "gguf_matmul.cpp", "gguf_matmul_avx2.cpp", "gguf_matmul_avx512.cpp",
                          "gguf_matmul_amx.cpp",
-                         "skinny_float.cpp", "layer_ops.cpp", "decoder_stack.cpp")]
+                         "skinny_float.cpp", "layer_ops.cpp", "decoder_stack.cpp",
+                         "huge_pages.cpp")]
 _HEADERS = [Path(__file__).with_name(name)
             for name in ("vector.h", "gguf_blocks.h", "skinny_float_paths.h",
                          "decode_attention_avx512.h", "decode_attention_amx.h", "amx.h",
-                         "skinny_matmul_avx512bf16.h")]
+                         "skinny_matmul_avx512bf16.h", "huge_pages.h")]
 
 
 ATTENTION_PATHS = ("portable", "avx2", "avx512", "avx512-bf16", "avx512-amx")  # paged_attention's max_path
@@ -178,7 +180,9 @@ class SkinnyFloatOps:
         padded = weight.to(dtype)
         if rows % self.PANEL:
             padded = torch.cat([padded, padded.new_zeros(count * self.PANEL - rows, cols)])
-        return padded.reshape(count, self.PANEL, cols).transpose(1, 2).contiguous()
+        # On 2 MB pages (huge_pages.h): a decode step streams the panels.
+        panels = torch.ops.radixserve.empty_on_huge_pages([count, cols, self.PANEL], dtype)
+        return panels.copy_(padded.reshape(count, self.PANEL, cols).transpose(1, 2))
 
     def linear(self, x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None,
                max_path: int) -> torch.Tensor:

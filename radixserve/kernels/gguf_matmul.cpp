@@ -137,6 +137,7 @@ using namespace radixserve::gguf;
 
 constexpr int64_t kRowChunk = 256;  // activation rows per call of a panel path (scratch size)
 constexpr int64_t kRunPanels = 4;     // fewest panels per run: 64 columns, 2 lines of bfloat16
+constexpr int64_t kWideRunRows = 64;  // from this many rows of x
 
 // x [M, K] quantized per block of 32 or 256: QuantizedRows' arrays (for blocks of 32 the sums
 // and dxs, for 256 sums16 and sums32; the others empty), carved from one allocation: a decode
@@ -389,13 +390,16 @@ at::Tensor gguf_linear(const at::Tensor& x, at::TensorList panels, at::IntArrayR
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   float* yf = bf16 ? nullptr : out.data_ptr<float>();
   c10::BFloat16* yh = bf16 ? out.data_ptr<c10::BFloat16>() : nullptr;
-  // Each thread takes an equal contiguous share of the runs (about 32 KB of weights each, at
-  // least kRunPanels panels) and works through it front to back, as one stream; one that
+  // Each thread takes an equal contiguous share of the runs (about 32 KB of weights each; for
+  // many rows at least kRunPanels panels) and works through it front to back, as one stream; one that
   // finishes early then takes runs from the back of the others' shares. Cores need not run at
   // one speed (a VM's vCPU whose host core is busy with a neighbour, a laptop's efficiency
   // cores: on this project's 2-core VMs one core at times ran this kernel at 0.6x the other's
   // rate), and with fixed shares the fast one would wait for the slow one.
-  const int64_t run_panels = std::max<int64_t>(kRunPanels, 32768 / parts[0].panel_stride);
+  // A decode step's few rows write little: its runs stay small, so that the threads end
+  // together.
+  const int64_t run_panels = std::max<int64_t>(m >= kWideRunRows ? kRunPanels : 1,
+                                               32768 / parts[0].panel_stride);
   const int64_t runs = (total_panels + run_panels - 1) / run_panels;
   const int64_t threads = std::clamp<int64_t>(at::get_num_threads(), 1, runs);
   RunShares shares(runs, threads);

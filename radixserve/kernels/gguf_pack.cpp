@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "gguf_blocks.h"
+#include "huge_pages.h"
 
 namespace {
 
@@ -103,7 +104,7 @@ at::Tensor gguf_pack(const at::Tensor& raw, int64_t ggml_type,
   // Not zeroed as a whole: the 16 rows of a full panel write every byte of it (gguf_blocks.h's
   // layouts leave no gap), and zeroing a 1.25 GB model first took as long as the packing.
   // Only a last, partial panel has rows past N, which must be zero blocks (d = 0).
-  at::Tensor out = at::empty({panels, blocks * f.panel_bytes}, raw.options());
+  at::Tensor out = radixserve::empty_on_huge_pages({panels, blocks * f.panel_bytes}, at::kByte);
   const uint8_t* src = raw.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   if (n % kRows != 0) std::memset(dst + (panels - 1) * blocks * f.panel_bytes, 0,
