@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from radixserve.kernels import QUANT_PATHS, gguf_ops
+from radixserve.kernels import QUANT_PATHS, PanelArena, gguf_ops
 from radixserve.kernels.cpu import cpu_flags
 
 gguf = pytest.importorskip("gguf")
@@ -416,6 +416,31 @@ def test_packed_weights_live_on_huge_pages_and_are_unmapped_when_freed():
     assert _mapping_of(address) is None
 
 
+def test_an_arena_packs_small_weights_side_by_side_on_shared_huge_pages():
+    # Weights under 4 MB get no huge page of their own; packed through a PanelArena (as a
+    # model's projections are) they lie side by side, 64-byte aligned, in one buffer on huge
+    # pages, and a weight that does not fit starts the next buffer.
+    arena = PanelArena()
+    arena.BUFFER_BYTES = 4 << 20
+    weights = [(_weights(n, k, kind, seed=n)[0], kind)  # 61 KB, 14 KB, 1.1 MB, 3.3 MB of panels
+               for n, k, kind in [(100, 512, Q.Q8_0), (37, 512, Q.Q4_K), (2048, 512, Q.Q8_0),
+                                  (2048, 1536, Q.Q8_0)]]
+    packed = [OPS.pack(torch.from_numpy(raw), int(kind), None, arena) for raw, kind in weights]
+    for (raw, kind), panels in zip(weights, packed, strict=True):
+        assert torch.equal(panels, OPS.pack(torch.from_numpy(raw), int(kind)))
+    starts = [p.data_ptr() for p in packed]
+    assert starts[0] % (2 << 20) == 0
+    for i in (1, 2):  # the first three fit one buffer: each at the previous end, rounded to 64
+        assert starts[i] == starts[i - 1] + -(-packed[i - 1].numel() // 64) * 64
+    assert packed[3].untyped_storage().data_ptr() != packed[0].untyped_storage().data_ptr()
+    assert starts[3] % (2 << 20) == 0  # 3.3 MB did not fit the 4 MB buffer's last 2.8 MB
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if Path("/proc/self/smaps").exists() and thp.exists() and "[never]" not in thp.read_text():
+        assert _mapping_of(starts[0])["AnonHugePages"] >= 2048
+    else:
+        print("no transparent huge pages here: checked the layout only")
+
+
 QUANTS_AT = {Q.Q8_0: 2, Q.Q4_0: 2, Q.Q4_1: 4, Q.Q4_K: 16}  # where a block's quants start
 BLOCK_BYTES = {Q.Q8_0: 34, Q.Q4_0: 18, Q.Q4_1: 20, Q.Q4_K: 144, Q.Q6_K: 210}
 
@@ -481,6 +506,9 @@ def test_bad_input_is_refused():
         OPS.pack(torch.from_numpy(raw).to(torch.int16), int(Q.Q4_0))
     with pytest.raises(ValueError, match="not a row"):
         OPS.pack(torch.from_numpy(raw), int(Q.Q4_0), torch.full((20,), 20))
+    with pytest.raises(ValueError, match=f"contiguous uint8 of {panels.numel()} bytes"):
+        torch.ops.radixserve.gguf_pack_into(torch.from_numpy(raw), int(Q.Q4_0), None,
+                                            torch.empty(panels.numel() - 1, dtype=torch.uint8))
     with pytest.raises(ValueError, match="multiple of part 0's block"):
         OPS.linear(torch.randn(2, 48), [panels], [2], [20], None, 1)
     with pytest.raises(ValueError, match="panels must be"):

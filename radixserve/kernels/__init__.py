@@ -219,12 +219,18 @@ class GGUFOps:
         best = self.path()
         return QUANT_PATHS[best if max_path is None else min(max_path, best)]
 
-    def pack(self, raw: torch.Tensor, ggml_type: int,
-             row_order: torch.Tensor | None = None) -> torch.Tensor:
+    def pack(self, raw: torch.Tensor, ggml_type: int, row_order: torch.Tensor | None = None,
+             arena: PanelArena | None = None) -> torch.Tensor:
         """Panels uint8 [ceil(N / 16), K / block * panel block bytes] of a GGUF tensor's blocks
         raw uint8 [N, row_bytes]; panel row n takes raw row row_order[n] where given. About the
-        file's bytes (Q4_K: 1.03x); see gguf_blocks.h."""
-        return torch.ops.radixserve.gguf_pack(raw, ggml_type, row_order)
+        file's bytes (Q4_K: 1.03x); see gguf_blocks.h. With an arena, the panels are a slice of
+        its buffers; else a buffer of their own."""
+        if arena is None:
+            return torch.ops.radixserve.gguf_pack(raw, ggml_type, row_order)
+        rows, row_bytes = raw.shape
+        out = arena.take(torch.ops.radixserve.gguf_packed_bytes(ggml_type, rows, row_bytes))
+        torch.ops.radixserve.gguf_pack_into(raw, ggml_type, row_order, out)
+        return out.view(-(-rows // 16), -1)
 
     def dequantize_rows(self, panels: torch.Tensor, ggml_type: int, n_rows: int, k: int,
                         ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -241,6 +247,31 @@ class GGUFOps:
         if isinstance(panels, torch.Tensor):
             panels, ggml_types, rows = [panels], [ggml_types], [rows]
         return torch.ops.radixserve.gguf_linear(x, panels, ggml_types, rows, bias, max_path)
+
+
+class PanelArena:
+    """Packed weights side by side in buffers of 2 MB pages (huge_pages.h), one model's worth:
+    a weight under 4 MB gets no huge page of its own (SmolLM2-135M's are all under 1 MB, a 1B
+    model's k and v 1.1 MB), and side by side they share them. A weight that does not fit the
+    current buffer starts the next one; the unused rest of a buffer is never touched, so it
+    costs address space, not memory."""
+
+    BUFFER_BYTES = 64 << 20
+    ALIGN = 64  # each weight starts on a cache line
+
+    def __init__(self) -> None:
+        self._buffer: torch.Tensor | None = None
+        self._used = 0
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A fresh uint8 [nbytes] slice, contiguous, 64-byte aligned."""
+        if self._buffer is None or self._used + nbytes > self._buffer.numel():
+            size = max(self.BUFFER_BYTES, nbytes)
+            self._buffer = torch.ops.radixserve.empty_on_huge_pages([size], torch.uint8)
+            self._used = 0
+        out = self._buffer[self._used:self._used + nbytes]
+        self._used += -(-nbytes // self.ALIGN) * self.ALIGN
+        return out
 
 
 @functools.cache

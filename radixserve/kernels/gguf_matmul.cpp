@@ -290,13 +290,14 @@ class RunShares {
   std::unique_ptr<Bounds[]> bounds_;
 };
 
-// c10::BFloat16's rounding (to nearest even; NaN as 0x7FC0) of `count` <= 16 values. Element
-// by element, writing the output took 15% of a 512-row matmul.
+// c10::BFloat16's rounding of one value: to nearest even, NaN as 0x7FC0.
 inline uint16_t bf16_bits(uint32_t u) {
   if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
   return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
+// `count` <= 16 floats to bfloat16 with those bits. Value by value, through c10::BFloat16,
+// writing the outputs took 15% of a 512-row matmul.
 inline void write_bf16(const float* row, int64_t count, c10::BFloat16* out) {
 #ifdef RS_X86
   if (count == kRows) {
@@ -390,14 +391,14 @@ at::Tensor gguf_linear(const at::Tensor& x, at::TensorList panels, at::IntArrayR
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   float* yf = bf16 ? nullptr : out.data_ptr<float>();
   c10::BFloat16* yh = bf16 ? out.data_ptr<c10::BFloat16>() : nullptr;
-  // Each thread takes an equal contiguous share of the runs (about 32 KB of weights each; for
-  // many rows at least kRunPanels panels) and works through it front to back, as one stream; one that
-  // finishes early then takes runs from the back of the others' shares. Cores need not run at
-  // one speed (a VM's vCPU whose host core is busy with a neighbour, a laptop's efficiency
-  // cores: on this project's 2-core VMs one core at times ran this kernel at 0.6x the other's
-  // rate), and with fixed shares the fast one would wait for the slow one.
-  // A decode step's few rows write little: its runs stay small, so that the threads end
-  // together.
+  // Each thread takes an equal contiguous share of the runs (about 32 KB of weights each) and
+  // works through it front to back, as one stream; one that finishes early then takes runs
+  // from the back of the others' shares. Cores need not run at one speed (a VM's vCPU whose
+  // host core is busy with a neighbour, a laptop's efficiency cores: on this project's 2-core
+  // VMs one core at times ran this kernel at 0.6x the other's rate), and with fixed shares
+  // the fast one would wait for the slow one. From kWideRunRows rows of x on, a run holds at
+  // least kRunPanels panels, so that its outputs are written in whole lines (write_run); a
+  // decode step's few rows keep small runs, and the threads end together.
   const int64_t run_panels = std::max<int64_t>(m >= kWideRunRows ? kRunPanels : 1,
                                                32768 / parts[0].panel_stride);
   const int64_t runs = (total_panels + run_panels - 1) / run_panels;

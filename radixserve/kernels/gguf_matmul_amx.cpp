@@ -72,18 +72,18 @@ RS_AMX inline int32_t pair(const int16_t* p) {
   return v;
 }
 
-#define RS_TILE_MULTIPLY(C, A, B, OP) \
-  RS_TILE_LOAD(A, a, row_bytes);      \
-  RS_TILE_LOAD(B, b, 64);             \
-  RS_TILE_ZERO(C);                    \
-  RS_TILE_DP(OP, C, A, B);            \
-  RS_TILE_STORE(C, c, 64)
+#define RS_TILE_MULTIPLY(C, A, B, OP)           \
+  RS_TILE_LOAD_SPAN(A, a, 32, kTileBytes);      \
+  RS_TILE_LOAD_SPAN(B, b, 64, 8 * kUnit);       \
+  RS_TILE_ZERO(C);                              \
+  RS_TILE_DP(OP, C, A, B);                      \
+  RS_TILE_STORE_SPAN(C, c, 64, kGroup * kRows * 4)
 
-// Tile multiply S (0 or 1: its own C, A and B tiles): activations a (16 rows, `row_bytes`
-// apart) by the weight bytes b (rows of 64 bytes), signed or unsigned weights, the sums
-// stored to c (16 rows of 64 bytes).
+// Tile multiply S (0 or 1: its own C, A and B tiles): activations a (16 rows of a.tiles, 32
+// bytes apart) by the weight bytes b (rows of 64 bytes), signed or unsigned weights, the sums
+// stored to c (16 rows of 64 bytes). Its tile asm declares the memory it touches, no more.
 template <int S, bool kSignedWeights>
-RS_AMX inline void multiply(const int8_t* a, int64_t row_bytes, const void* b, int32_t* c) {
+RS_AMX inline void multiply(const int8_t* a, const void* b, int32_t* c) {
   if constexpr (S == 0 && kSignedWeights) {
     RS_TILE_MULTIPLY(0, 2, 4, "tdpbssd");
   } else if constexpr (S == 0) {
@@ -107,32 +107,14 @@ RS_AMX inline void unpack_q4(const uint8_t* units, uint8_t* out) {
   }
 }
 
-// Q8_0's tile multiply, its memory declared exactly rather than as a "memory" clobber: with
-// the clobber the compiler kept the 16 float sums in memory across each tile instruction, a
-// load and a store per row and block beside the tile's own 16 stores.
-struct TileBytes { int8_t v[kTileBytes]; };
-struct TileSums { int32_t v[kGroup * kRows]; };
-#define RS_Q8_MULTIPLY(C, A, B, a, b, c)                                                   \
-  do {                                                                                     \
-    asm volatile("tileloadd (%1,%2,1), %%tmm" #A ::"m"(*reinterpret_cast<const TileBytes*>(a)), \
-                 "r"(a), "r"(int64_t{32}));                                                \
-    asm volatile("tileloadd (%1,%2,1), %%tmm" #B ::"m"(*reinterpret_cast<const TileBytes*>(b)), \
-                 "r"(b), "r"(int64_t{64}));                                                \
-    asm volatile("tilezero %%tmm" #C ::);                                                  \
-    asm volatile("tdpbssd %%tmm" #B ", %%tmm" #A ", %%tmm" #C ::);                         \
-    asm volatile("tilestored %%tmm" #C ", (%1,%2,1)"                                       \
-                 : "=m"(*reinterpret_cast<TileSums*>(c))                                   \
-                 : "r"(c), "r"(int64_t{64}));                                              \
-  } while (0)
-
 // The float step of Q8_0 block b for a group's 16 rows, given their int32 sums and their
 // scales side by side (QuantizedRows::tile_dx).
-RS_AMX inline void float_step_q8(const uint8_t* block, const float* dx, const TileSums& sums,
+RS_AMX inline void float_step_q8(const uint8_t* block, const float* dx, const int32_t* sums,
                                  __m512* sum) {
   const __m512 d = halves(block);
 #pragma GCC unroll 16
   for (int r = 0; r < kGroup; ++r) {
-    const __m512i p = _mm512_load_si512(sums.v + r * kRows);
+    const __m512i p = _mm512_load_si512(sums + r * kRows);
     sum[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(d, _mm512_set1_ps(dx[r])),
                              sum[r]);
   }
@@ -143,7 +125,7 @@ RS_AMX inline void float_step_q8(const uint8_t* block, const float* dx, const Ti
 RS_AMX void group_q8(const uint8_t* panel, const QuantizedRows& a, int64_t r0, float* acc) {
   constexpr int64_t stride = kQ8_0.panel_bytes, units_at = kQ8_0.units_at;
   const int64_t blocks = a.blocks;
-  alignas(64) TileSums c[2];
+  alignas(64) int32_t c[2][kGroup * kRows];
   // Unrolled before GCC decides where the array lives, which keeps it in registers.
   __m512 sum[kGroup];
 #pragma GCC unroll 16
@@ -152,31 +134,24 @@ RS_AMX void group_q8(const uint8_t* panel, const QuantizedRows& a, int64_t r0, f
   const float* dx = a.tile_dx + r0 / kGroup * blocks * kGroup;    // block b at b * 16
   // Block b + 1's multiply is issued before block b's float step, so that each step reads
   // sums stored a step earlier.
-  RS_Q8_MULTIPLY(0, 2, 4, q, panel + units_at, &c[0]);
+  multiply<0, true>(q, panel + units_at, c[0]);
   for (int64_t b = 0; b < blocks; b += 2) {
     // The weights come from memory (a decode step's batch reads each once): ask for two
     // blocks kAheadBlocks ahead, past the panel's end into the next one's. With the
     // hardware's prefetch alone, 32 rows on cold weights ran 1.15x slower.
     const char* ahead = reinterpret_cast<const char*>(panel + (b + kAheadBlocks) * stride);
     for (int64_t i = 0; i < 2 * stride; i += 64) _mm_prefetch(ahead + i, _MM_HINT_T0);
-    if (b + 1 < blocks) {
-      const int8_t* qa = q + kTileBytes * (b + 1);
-      const uint8_t* wb = panel + (b + 1) * stride + units_at;
-      RS_Q8_MULTIPLY(1, 3, 5, qa, wb, &c[1]);
-    }
+    if (b + 1 < blocks)
+      multiply<1, true>(q + kTileBytes * (b + 1), panel + (b + 1) * stride + units_at, c[1]);
     float_step_q8(panel + b * stride, dx + b * kGroup, c[0], sum);
     if (b + 1 >= blocks) break;
-    if (b + 2 < blocks) {
-      const int8_t* qa = q + kTileBytes * (b + 2);
-      const uint8_t* wb = panel + (b + 2) * stride + units_at;
-      RS_Q8_MULTIPLY(0, 2, 4, qa, wb, &c[0]);
-    }
+    if (b + 2 < blocks)
+      multiply<0, true>(q + kTileBytes * (b + 2), panel + (b + 2) * stride + units_at, c[0]);
     float_step_q8(panel + (b + 1) * stride, dx + (b + 1) * kGroup, c[1], sum);
   }
 #pragma GCC unroll 16
   for (int r = 0; r < kGroup; ++r) _mm512_storeu_ps(acc + r * kRows, sum[r]);
 }
-#undef RS_Q8_MULTIPLY
 
 // Q4_0 and Q4_1 for `count` groups of 16 rows from r0: each block unpacked once for up to
 // kGroupsPerUnpack groups, the float sums in acc.
@@ -198,8 +173,8 @@ RS_AMX void groups_q4(const uint8_t* panel, const QuantizedRows& a, int64_t r0, 
       const __m512 d = halves(block);
       for (int64_t g = first; g < end; g += 2) {
         const bool pair = g + 1 < end;
-        multiply<0, false>(tile(g, b), 32, unpacked, c[0]);
-        if (pair) multiply<1, false>(tile(g + 1, b), 32, unpacked, c[1]);
+        multiply<0, false>(tile(g, b), unpacked, c[0]);
+        if (pair) multiply<1, false>(tile(g + 1, b), unpacked, c[1]);
         for (int64_t h = g; h < g + (pair ? 2 : 1); ++h) {
           const int32_t* sums = c[h - g];
           float* out = acc + h * kGroup * kRows;
@@ -225,6 +200,7 @@ RS_AMX void groups_q4(const uint8_t* panel, const QuantizedRows& a, int64_t r0, 
 // (its weights are u - 32), weighed by its int8 scale per lane.
 RS_AMX inline void add_scaled(const int32_t* sums, __m512i sc, const int16_t* centre,
                               int64_t centre_stride, __m512i* total) {
+#pragma GCC unroll 16
   for (int r = 0; r < kGroup; ++r) {
     const __m512i p = _mm512_sub_epi32(_mm512_load_si512(sums + r * kRows),
                                        _mm512_set1_epi32(32 * centre[r * centre_stride]));
@@ -293,7 +269,8 @@ RS_AMX void superblock(const uint8_t* block, const uint8_t* unpacked, const Quan
   alignas(64) int32_t c[2][kGroup * kRows];
   // Blocks of 32 of this group's rows, 8 per superblock.
   const int8_t* qb = a.tiles + (r0 / kGroup * (a.k / 32) + 8 * b) * kTileBytes;
-  __m512i total[kGroup];
+  __m512i total[kGroup];  // in registers, as the Q8_0 loop's sums
+#pragma GCC unroll 16
   for (int r = 0; r < kGroup; ++r) total[r] = _mm512_setzero_si512();
   if constexpr (K == Kind::q4k) {
     // sum_j sc_j P_j = 8 sum_j (w hi_j) . q + sum_j (w lo_j) . q: the scales ride in the
@@ -340,8 +317,8 @@ RS_AMX void superblock(const uint8_t* block, const uint8_t* unpacked, const Quan
     // Group g's activations are 16g..: the first (even g) or second 16 bytes of each row of
     // block of 32 g / 2.
     for (int g = 0; g < 16; g += 2) {
-      multiply<0, false>(qb + kTileBytes * (g / 2), 32, unpacked + 4 * g * kUnit, c[0]);
-      multiply<1, false>(qb + kTileBytes * (g / 2) + 16, 32, unpacked + 4 * (g + 1) * kUnit,
+      multiply<0, false>(qb + kTileBytes * (g / 2), unpacked + 4 * g * kUnit, c[0]);
+      multiply<1, false>(qb + kTileBytes * (g / 2) + 16, unpacked + 4 * (g + 1) * kUnit,
                          c[1]);
       add_scaled(c[0], scales_i8(block + kQ6kScales + 16 * g), sums16 + g, a.k / 16, total);
       add_scaled(c[1], scales_i8(block + kQ6kScales + 16 * (g + 1)), sums16 + g + 1, a.k / 16,

@@ -77,36 +77,50 @@ void pack_block(const Format& f, const uint8_t* in, uint8_t* block, int lane) {
   }
 }
 
-// raw uint8 [N, row_bytes] (one GGUF tensor's rows) -> panels uint8 [ceil(N/16), blocks *
-// panel_bytes]. Panel row n takes raw row row_order[n] where given (a row permutation, such as
-// the q/k un-permute, costs nothing extra here).
-at::Tensor gguf_pack(const at::Tensor& raw, int64_t ggml_type,
-                     const c10::optional<at::Tensor>& row_order) {
+// Bytes of the panels of N rows of `row_bytes` bytes of GGUF type ggml_type.
+int64_t packed_bytes(const Format& f, int64_t n, int64_t row_bytes) {
+  return (n + kRows - 1) / kRows * (row_bytes / f.type_bytes) * f.panel_bytes;
+}
+
+int64_t gguf_packed_bytes(int64_t ggml_type, int64_t n, int64_t row_bytes) {
   const Format& f = checked_format(ggml_type);
+  TORCH_CHECK_VALUE(n >= 1 && row_bytes >= 1 && row_bytes % f.type_bytes == 0,
+                    "rows of ", row_bytes, " bytes are not whole blocks of ", f.type_bytes);
+  return packed_bytes(f, n, row_bytes);
+}
+
+// Checks raw (uint8 [N, row_bytes], whole blocks of f) and row_order; their row count.
+int64_t checked_rows(const Format& f, const at::Tensor& raw,
+                     const c10::optional<at::Tensor>& row_order) {
   TORCH_CHECK_VALUE(raw.device().is_cpu() && raw.scalar_type() == at::kByte && raw.dim() == 2 &&
                         raw.is_contiguous(),
                     "raw: contiguous uint8 [rows, row_bytes] on the CPU");
   const int64_t n = raw.size(0), row_bytes = raw.size(1);
   TORCH_CHECK_VALUE(n >= 1 && row_bytes >= 1 && row_bytes % f.type_bytes == 0,
                     "raw rows of ", row_bytes, " bytes are not whole blocks of ", f.type_bytes);
-  const int64_t blocks = row_bytes / f.type_bytes;
-  const int64_t* order = nullptr;
   if (row_order.has_value() && row_order->defined()) {
     TORCH_CHECK_VALUE(row_order->scalar_type() == at::kLong && row_order->dim() == 1 &&
                           row_order->numel() == n && row_order->is_contiguous(),
                       "row_order: int64 [rows]");
-    order = row_order->data_ptr<int64_t>();
+    const int64_t* order = row_order->data_ptr<int64_t>();
     for (int64_t i = 0; i < n; ++i)
       TORCH_CHECK_VALUE(order[i] >= 0 && order[i] < n, "row_order[", i, "] = ", order[i],
                         " is not a row");
   }
+  return n;
+}
+
+// The panels of raw's rows (in row_order where given) into dst, packed_bytes long.
+void pack_into(const Format& f, const at::Tensor& raw, const c10::optional<at::Tensor>& row_order,
+               uint8_t* dst) {
+  const int64_t n = raw.size(0), row_bytes = raw.size(1), blocks = row_bytes / f.type_bytes;
   const int64_t panels = (n + kRows - 1) / kRows;
+  const int64_t* order =
+      row_order.has_value() && row_order->defined() ? row_order->data_ptr<int64_t>() : nullptr;
+  const uint8_t* src = raw.data_ptr<uint8_t>();
   // Not zeroed as a whole: the 16 rows of a full panel write every byte of it (gguf_blocks.h's
   // layouts leave no gap), and zeroing a 1.25 GB model first took as long as the packing.
   // Only a last, partial panel has rows past N, which must be zero blocks (d = 0).
-  at::Tensor out = radixserve::empty_on_huge_pages({panels, blocks * f.panel_bytes}, at::kByte);
-  const uint8_t* src = raw.data_ptr<uint8_t>();
-  uint8_t* dst = out.data_ptr<uint8_t>();
   if (n % kRows != 0) std::memset(dst + (panels - 1) * blocks * f.panel_bytes, 0,
                                   blocks * f.panel_bytes);
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
@@ -119,7 +133,33 @@ at::Tensor gguf_pack(const at::Tensor& raw, int64_t ggml_type,
       }
     }
   });
+}
+
+// raw uint8 [N, row_bytes] (one GGUF tensor's rows) -> panels uint8 [ceil(N/16), blocks *
+// panel_bytes], on huge pages where they are 4 MB or more. Panel row n takes raw row
+// row_order[n] where given (a row permutation, such as the q/k un-permute, costs nothing
+// extra here).
+at::Tensor gguf_pack(const at::Tensor& raw, int64_t ggml_type,
+                     const c10::optional<at::Tensor>& row_order) {
+  const Format& f = checked_format(ggml_type);
+  const int64_t n = checked_rows(f, raw, row_order);
+  at::Tensor out = radixserve::empty_on_huge_pages(
+      {(n + kRows - 1) / kRows, raw.size(1) / f.type_bytes * f.panel_bytes}, at::kByte);
+  pack_into(f, raw, row_order, out.data_ptr<uint8_t>());
   return out;
+}
+
+// gguf_pack into `out`, uint8 contiguous of gguf_packed_bytes: a slice of a larger buffer, so
+// that weights of any size share its huge pages.
+void gguf_pack_into(const at::Tensor& raw, int64_t ggml_type,
+                    const c10::optional<at::Tensor>& row_order, const at::Tensor& out) {
+  const Format& f = checked_format(ggml_type);
+  const int64_t n = checked_rows(f, raw, row_order);
+  const int64_t bytes = packed_bytes(f, n, raw.size(1));
+  TORCH_CHECK_VALUE(out.device().is_cpu() && out.scalar_type() == at::kByte &&
+                        out.is_contiguous() && out.numel() == bytes,
+                    "out: contiguous uint8 of ", bytes, " bytes on the CPU");
+  pack_into(f, raw, row_order, out.data_ptr<uint8_t>());
 }
 
 // a * b - c with both roundings, as numpy computes it: volatile keeps the compiler from fusing
@@ -199,6 +239,9 @@ at::Tensor gguf_dequantize_rows(const at::Tensor& panels, int64_t ggml_type, int
 TORCH_LIBRARY_FRAGMENT(radixserve, m) {
   m.def("gguf_pack(Tensor raw, int ggml_type, Tensor? row_order=None) -> Tensor");
   m.impl("gguf_pack", c10::DispatchKey::CPU, TORCH_FN(gguf_pack));
+  m.def("gguf_pack_into(Tensor raw, int ggml_type, Tensor? row_order, Tensor(a!) out) -> ()");
+  m.impl("gguf_pack_into", c10::DispatchKey::CPU, TORCH_FN(gguf_pack_into));
+  m.def("gguf_packed_bytes(int ggml_type, int rows, int row_bytes) -> int", &gguf_packed_bytes);
   m.def("gguf_dequantize_rows(Tensor panels, int ggml_type, int n_rows, int k, Tensor ids, "
         "ScalarType dtype) -> Tensor");
   m.impl("gguf_dequantize_rows", c10::DispatchKey::CPU, TORCH_FN(gguf_dequantize_rows));

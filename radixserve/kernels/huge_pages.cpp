@@ -4,7 +4,6 @@
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
-#include <c10/util/irange.h>
 #include <torch/library.h>
 
 #include <cstdint>
@@ -34,28 +33,20 @@ at::Tensor empty_on_huge_pages(at::IntArrayRef sizes, at::ScalarType dtype) {
       const auto base = reinterpret_cast<uintptr_t>(mapped);
       const uintptr_t start = (base + kHuge - 1) / kHuge * kHuge;
       if (start > base) munmap(mapped, start - base);
-      if (base + kHuge > start) munmap(reinterpret_cast<void*>(start + length), base + kHuge - start);
+      const uintptr_t end = start + length, mapped_end = base + length + kHuge;
+      if (mapped_end > end) munmap(reinterpret_cast<void*>(end), mapped_end - end);
       void* data = reinterpret_cast<void*>(start);
       madvise(data, bytes / kHuge * kHuge, MADV_HUGEPAGE);  // fails harmlessly without THP
-      return at::from_blob(
-          data, sizes, [length](void* p) { munmap(p, length); }, options);
+      return at::from_blob(data, sizes, [length](void* p) { munmap(p, length); }, options);
     }
   }
 #endif
   return at::empty(sizes, options);
 }
 
-namespace {
-
-at::Tensor empty_on_huge_pages_op(at::IntArrayRef sizes, at::ScalarType dtype) {
-  return empty_on_huge_pages(sizes, dtype);
-}
-
-}  // namespace
-
 }  // namespace radixserve
 
 TORCH_LIBRARY_FRAGMENT(radixserve, m) {
   m.def("empty_on_huge_pages(int[] sizes, ScalarType dtype) -> Tensor",
-        &radixserve::empty_on_huge_pages_op);
+        &radixserve::empty_on_huge_pages);
 }

@@ -19,7 +19,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from radixserve.kernels import GGUFOps, gguf_ops
+from radixserve.kernels import GGUFOps, PanelArena, gguf_ops
 from radixserve.layers.linear import Linear, LinearMethod, NativeProjection
 
 # GGUF formats the kernel executes, by name: their GGML type ids.
@@ -61,9 +61,9 @@ class QuantizedWeight:
         combined = order if self.row_order is None else self.row_order[order]
         return replace(self, row_order=combined.contiguous())
 
-    def pack(self, ops: GGUFOps) -> torch.Tensor:
+    def pack(self, ops: GGUFOps, arena: PanelArena | None = None) -> torch.Tensor:
         """The kernel's panels of this matrix (about its bytes; see GGUFOps.pack)."""
-        return ops.pack(self.raw, self.type_id, self.row_order)
+        return ops.pack(self.raw, self.type_id, self.row_order, arena)
 
     def dequantize(self) -> torch.Tensor:
         """float32 [rows, cols], decoded by the kernel as `gguf.quants.dequantize` decodes it
@@ -111,6 +111,9 @@ class QuantizedLinear(LinearMethod):
         self.dense = dense
         # The most vectorised kernel path allowed (tests pin the portable one, 0).
         self.max_path = ops.path() if max_path is None else max_path
+        # The model's panels, side by side in the order the layers are prepared (a decode
+        # step's order) and sharing huge pages.
+        self.arena = PanelArena()
 
     @classmethod
     def unavailable(cls, device: torch.device, dtype: torch.dtype) -> str | None:
@@ -131,7 +134,7 @@ class QuantizedLinear(LinearMethod):
             self.dense.prepare(layer)
             return
         parts = layer.quantized
-        layer.packed = PackedParts([p.pack(self.ops) for p in parts],
+        layer.packed = PackedParts([p.pack(self.ops, self.arena) for p in parts],
                                    [p.type_id for p in parts], [p.rows for p in parts])
         layer.quantized = None  # the file's blocks are no longer needed
 
