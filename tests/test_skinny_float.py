@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from radixserve import LLM, SamplingParams
-from radixserve.kernels import FLOAT_PATHS, skinny_float_ops
+from radixserve.kernels import FLOAT_PATHS, PanelArena, skinny_float_ops
 from radixserve.kernels.cpu import cpu_flags, has_fast_bf16
 from radixserve.layers.linear import (
     Linear,
@@ -74,6 +74,13 @@ def test_pack_puts_16_rows_k_major_and_pads_with_zeros():
     panels = OPS.pack(big, torch.bfloat16)
     assert panels.data_ptr() % (2 << 20) == 0
     assert torch.equal(panels[64, :, 15], big[64 * 16 + 15].to(torch.bfloat16))
+    # Through an arena (as SkinnyFloatLinear packs a model), small weights lie side by side.
+    arena = PanelArena()
+    first, second = OPS.pack(weight, torch.float16, arena), OPS.pack(weight, torch.float32, arena)
+    assert torch.equal(first, OPS.pack(weight, torch.float16))
+    assert torch.equal(second, OPS.pack(weight, torch.float32))
+    assert first.data_ptr() % (2 << 20) == 0
+    assert second.data_ptr() == first.data_ptr() + 3 * 5 * 16 * 2 + 32  # 480 bytes, to 512
 
 
 @pytest.mark.parametrize("path", _paths())

@@ -172,16 +172,22 @@ class SkinnyFloatOps:
         best = self.path()
         return FLOAT_PATHS[best if max_path is None else min(max_path, best)]
 
-    def pack(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def pack(self, weight: torch.Tensor, dtype: torch.dtype,
+             arena: PanelArena | None = None) -> torch.Tensor:
         """Panels [ceil(N / 16), K, 16] in `dtype` of a weight [N, K]: panel p holds rows
-        16p..16p+15 k-major, rows past N are zero."""
+        16p..16p+15 k-major, rows past N are zero. On 2 MB pages (huge_pages.h), as a slice of
+        the arena's buffers where one is given: a decode step streams the panels."""
         rows, cols = weight.shape
         count = -(-rows // self.PANEL)
         padded = weight.to(dtype)
         if rows % self.PANEL:
             padded = torch.cat([padded, padded.new_zeros(count * self.PANEL - rows, cols)])
-        # On 2 MB pages (huge_pages.h): a decode step streams the panels.
-        panels = torch.ops.radixserve.empty_on_huge_pages([count, cols, self.PANEL], dtype)
+        shape = [count, cols, self.PANEL]
+        if arena is None:
+            panels = torch.ops.radixserve.empty_on_huge_pages(shape, dtype)
+        else:
+            size = count * cols * self.PANEL * padded.element_size()
+            panels = arena.take(size).view(dtype).view(shape)
         return panels.copy_(padded.reshape(count, self.PANEL, cols).transpose(1, 2))
 
     def linear(self, x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None,

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixserve.kernels import SKINNY_MAX_ROWS, skinny_float_ops, skinny_matmul_op
+from radixserve.kernels import SKINNY_MAX_ROWS, PanelArena, skinny_float_ops, skinny_matmul_op
 from radixserve.kernels.cpu import has_fast_bf16
 
 if TYPE_CHECKING:
@@ -138,6 +138,7 @@ class SkinnyFloatLinear(LinearMethod):
         # The most vectorised path allowed (an index of FLOAT_PATHS; tests pin each one).
         self.max_path = ops.path() if max_path is None else max_path
         self.held: dict[torch.dtype, int] = {}  # matrices prepared, by the dtype kept
+        self.arena = PanelArena()  # the model's panels side by side, on huge pages
 
     @classmethod
     def unavailable(cls, device: torch.device, dtype: torch.dtype) -> str | None:
@@ -160,7 +161,8 @@ class SkinnyFloatLinear(LinearMethod):
             return
         weight = layer.weight.detach()
         dtype = narrowest_exact_dtype(weight)
-        layer.panels = nn.Parameter(self.ops.pack(weight, dtype), requires_grad=False)
+        layer.panels = nn.Parameter(self.ops.pack(weight, dtype, self.arena),
+                                    requires_grad=False)
         layer.weight = None
         self.held[dtype] = self.held.get(dtype, 0) + 1
 
