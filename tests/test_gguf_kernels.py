@@ -393,23 +393,40 @@ def _mapping_of(address: int) -> dict[str, int] | None:
     return fields if inside else None
 
 
+def _thp_faults() -> dict[str, int]:
+    """The kernel's counts of page faults served by a huge page, and of those that fell back
+    to 4 KB pages for want of one (/proc/vmstat, machine-wide)."""
+    counts = dict(line.split() for line in Path("/proc/vmstat").read_text().splitlines())
+    return {key: int(counts.get(key, 0)) for key in ("thp_fault_alloc", "thp_fault_fallback")}
+
+
+def _check_huge_pages(address: int, pages: int, faults_before: dict[str, int]) -> None:
+    """Where transparent huge pages are on, the mapping holding `address` has at least `pages`
+    huge pages, unless the kernel had none to give (it then counts a fallback)."""
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not thp.exists() or "[never]" in thp.read_text():
+        print("transparent huge pages are off here: checked the layout only")
+        return
+    held = _mapping_of(address)["AnonHugePages"]
+    if held >= pages * 2048:
+        return
+    fallbacks = _thp_faults()["thp_fault_fallback"] - faults_before["thp_fault_fallback"]
+    assert fallbacks > 0, f"{held} kB on huge pages and no fallback: the buffer was not marked"
+    print(f"the kernel had no huge page free ({fallbacks} fallbacks): checked the layout only")
+
+
 @pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux's /proc")
 def test_packed_weights_live_on_huge_pages_and_are_unmapped_when_freed():
     # A decode step streams the panels: on 2 MB pages it read 33-34 GB/s on a 2-core Xeon VM,
     # 25-28 on 4 KB ones. 6 MB of Q8_0 panels: their whole 2 MB stretches are huge pages where
     # transparent huge pages are on ("always" or "madvise"), and freeing the tensor unmaps them.
     raw, _ = _weights(1024, 6144, Q.Q8_0)
+    faults = _thp_faults()
     panels = OPS.pack(torch.from_numpy(raw), int(Q.Q8_0))
     address, size = panels.data_ptr(), panels.numel()
     assert size > 3 * (2 << 20) and address % (2 << 20) == 0
-    mapping = _mapping_of(address)
-    assert mapping is not None
-    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-    mode = thp.read_text() if thp.exists() else "[never]"
-    if "[never]" in mode:
-        print("transparent huge pages are off here: checked alignment and unmapping only")
-    else:
-        assert mapping["AnonHugePages"] >= 2 * 2048, mapping  # at least 2 of the 2 MB pages
+    assert _mapping_of(address) is not None
+    _check_huge_pages(address, 3, faults)  # its 3 whole 2 MB stretches
     assert torch.equal(panels, OPS.pack(torch.from_numpy(raw), int(Q.Q8_0)))
     del panels
     gc.collect()
@@ -422,6 +439,7 @@ def test_an_arena_packs_small_weights_side_by_side_on_shared_huge_pages():
     # pages, and a weight that does not fit starts the next buffer.
     arena = PanelArena()
     arena.BUFFER_BYTES = 4 << 20
+    faults = _thp_faults() if Path("/proc/vmstat").exists() else {}
     weights = [(_weights(n, k, kind, seed=n)[0], kind)  # 61 KB, 14 KB, 1.1 MB, 3.3 MB of panels
                for n, k, kind in [(100, 512, Q.Q8_0), (37, 512, Q.Q4_K), (2048, 512, Q.Q8_0),
                                   (2048, 1536, Q.Q8_0)]]
@@ -434,11 +452,8 @@ def test_an_arena_packs_small_weights_side_by_side_on_shared_huge_pages():
         assert starts[i] == starts[i - 1] + -(-packed[i - 1].numel() // 64) * 64
     assert packed[3].untyped_storage().data_ptr() != packed[0].untyped_storage().data_ptr()
     assert starts[3] % (2 << 20) == 0  # 3.3 MB did not fit the 4 MB buffer's last 2.8 MB
-    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-    if Path("/proc/self/smaps").exists() and thp.exists() and "[never]" not in thp.read_text():
-        assert _mapping_of(starts[0])["AnonHugePages"] >= 2048
-    else:
-        print("no transparent huge pages here: checked the layout only")
+    if Path("/proc/self/smaps").exists():
+        _check_huge_pages(starts[0], 1, faults)  # the first three's 1.2 MB: one huge page
 
 
 QUANTS_AT = {Q.Q8_0: 2, Q.Q4_0: 2, Q.Q4_1: 4, Q.Q4_K: 16}  # where a block's quants start
