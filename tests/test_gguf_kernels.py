@@ -12,6 +12,8 @@ wrong layout.
 from __future__ import annotations
 
 import gc
+import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -405,14 +407,16 @@ def _check_huge_pages(address: int, pages: int, faults_before: dict[str, int]) -
     huge pages, unless the kernel had none to give (it then counts a fallback)."""
     thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     if not thp.exists() or "[never]" in thp.read_text():
-        print("transparent huge pages are off here: checked the layout only")
+        warnings.warn("transparent huge pages are off here: checked the layout only",
+                      stacklevel=2)
         return
     held = _mapping_of(address)["AnonHugePages"]
     if held >= pages * 2048:
         return
     fallbacks = _thp_faults()["thp_fault_fallback"] - faults_before["thp_fault_fallback"]
     assert fallbacks > 0, f"{held} kB on huge pages and no fallback: the buffer was not marked"
-    print(f"the kernel had no huge page free ({fallbacks} fallbacks): checked the layout only")
+    warnings.warn(f"the kernel had no huge page free ({fallbacks} fallbacks): checked the "
+                  "layout only", stacklevel=2)
 
 
 @pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux's /proc")
@@ -430,28 +434,33 @@ def test_packed_weights_live_on_huge_pages_and_are_unmapped_when_freed():
     assert torch.equal(panels, OPS.pack(torch.from_numpy(raw), int(Q.Q8_0)))
     del panels
     gc.collect()
-    assert _mapping_of(address) is None
+    # Unmapped: nothing there now, or a smaller mapping that has since taken the hole.
+    mapping = _mapping_of(address)
+    assert mapping is None or mapping["Size"] * 1024 < size
 
 
 def test_an_arena_packs_small_weights_side_by_side_on_shared_huge_pages():
     # Weights under 4 MB get no huge page of their own; packed through a PanelArena (as a
     # model's projections are) they lie side by side, 64-byte aligned, in one buffer on huge
-    # pages, and a weight that does not fit starts the next buffer.
-    arena = PanelArena()
-    arena.BUFFER_BYTES = 4 << 20
+    # pages; one that does not fit starts the next buffer, and one of 4 MB or more gets its
+    # own without ending the current one.
+    arena = PanelArena(buffer_bytes=4 << 20)
     faults = _thp_faults() if Path("/proc/vmstat").exists() else {}
-    weights = [(_weights(n, k, kind, seed=n)[0], kind)  # 61 KB, 14 KB, 1.1 MB, 3.3 MB of panels
-               for n, k, kind in [(100, 512, Q.Q8_0), (37, 512, Q.Q4_K), (2048, 512, Q.Q8_0),
-                                  (2048, 1536, Q.Q8_0)]]
+    shapes = [(100, 512, Q.Q8_0), (37, 512, Q.Q4_K), (2048, 512, Q.Q8_0), (2048, 1536, Q.Q8_0),
+              (1024, 6144, Q.Q8_0), (100, 512, Q.Q8_0)]  # 61 KB, 14 KB, 1.1, 3.3, 6.7 MB, 61 KB
+    weights = [(_weights(n, k, kind, seed=n)[0], kind) for n, k, kind in shapes]
     packed = [OPS.pack(torch.from_numpy(raw), int(kind), None, arena) for raw, kind in weights]
     for (raw, kind), panels in zip(weights, packed, strict=True):
         assert torch.equal(panels, OPS.pack(torch.from_numpy(raw), int(kind)))
     starts = [p.data_ptr() for p in packed]
-    assert starts[0] % (2 << 20) == 0
-    for i in (1, 2):  # the first three fit one buffer: each at the previous end, rounded to 64
-        assert starts[i] == starts[i - 1] + -(-packed[i - 1].numel() // 64) * 64
-    assert packed[3].untyped_storage().data_ptr() != packed[0].untyped_storage().data_ptr()
-    assert starts[3] % (2 << 20) == 0  # 3.3 MB did not fit the 4 MB buffer's last 2.8 MB
+    buffers = [p.untyped_storage().data_ptr() for p in packed]
+    for i in (1, 2, 5):  # each after the one before it in its buffer, rounded up to 64 bytes
+        before = 3 if i == 5 else i - 1
+        assert starts[i] == starts[before] + -(-packed[before].numel() // 64) * 64
+    assert buffers[:3] == [buffers[0]] * 3 and buffers[3] == buffers[5]
+    assert len({buffers[0], buffers[3], buffers[4]}) == 3  # 3.3 MB did not fit the first's 2.8
+    if sys.platform == "linux":
+        assert all(start % (2 << 20) == 0 for start in (starts[0], starts[3], starts[4]))
     if Path("/proc/self/smaps").exists():
         _check_huge_pages(starts[0], 1, faults)  # the first three's 1.2 MB: one huge page
 

@@ -11,6 +11,7 @@ parameter with HF's logits.
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -72,14 +73,14 @@ def test_pack_puts_16_rows_k_major_and_pads_with_zeros():
     # (test_gguf_kernels.py checks the pages themselves).
     big = torch.randn(1040, 2048)
     panels = OPS.pack(big, torch.bfloat16)
-    assert panels.data_ptr() % (2 << 20) == 0
+    assert panels.data_ptr() % (2 << 20) == 0 or sys.platform != "linux"
     assert torch.equal(panels[64, :, 15], big[64 * 16 + 15].to(torch.bfloat16))
     # Through an arena (as SkinnyFloatLinear packs a model), small weights lie side by side.
     arena = PanelArena()
     first, second = OPS.pack(weight, torch.float16, arena), OPS.pack(weight, torch.float32, arena)
     assert torch.equal(first, OPS.pack(weight, torch.float16))
     assert torch.equal(second, OPS.pack(weight, torch.float32))
-    assert first.data_ptr() % (2 << 20) == 0
+    assert first.data_ptr() % (2 << 20) == 0 or sys.platform != "linux"
     assert second.data_ptr() == first.data_ptr() + 3 * 5 * 16 * 2 + 32  # 480 bytes, to 512
 
 

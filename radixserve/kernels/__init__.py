@@ -184,7 +184,7 @@ class SkinnyFloatOps:
             padded = torch.cat([padded, padded.new_zeros(count * self.PANEL - rows, cols)])
         shape = [count, cols, self.PANEL]
         if arena is None:
-            panels = torch.ops.radixserve.empty_on_huge_pages(shape, dtype)
+            panels = empty_on_huge_pages(shape, dtype)
         else:
             size = count * cols * self.PANEL * padded.element_size()
             panels = arena.take(size).view(dtype).view(shape)
@@ -231,7 +231,7 @@ class GGUFOps:
         raw uint8 [N, row_bytes]; panel row n takes raw row row_order[n] where given. About the
         file's bytes (Q4_K: 1.03x); see gguf_blocks.h. With an arena, the panels are a slice of
         its buffers; else a buffer of their own."""
-        if arena is None:
+        if arena is None or raw.dim() != 2:  # (the op refuses a bad raw)
             return torch.ops.radixserve.gguf_pack(raw, ggml_type, row_order)
         rows, row_bytes = raw.shape
         out = arena.take(torch.ops.radixserve.gguf_packed_bytes(ggml_type, rows, row_bytes))
@@ -256,28 +256,38 @@ class GGUFOps:
 
 
 class PanelArena:
-    """Packed weights side by side in buffers of 2 MB pages (huge_pages.h), one model's worth:
-    a weight under 4 MB gets no huge page of its own (SmolLM2-135M's are all under 1 MB, a 1B
-    model's k and v 1.1 MB), and side by side they share them. A weight that does not fit the
-    current buffer starts the next one; the unused rest of a buffer is never touched, so it
-    costs address space, not memory."""
+    """A model's small packed weights side by side in buffers of 2 MB pages (huge_pages.h): a
+    weight under 4 MB gets no huge page of its own (SmolLM2-135M's are all under 1 MB, a 1B
+    model's k and v 1.1 MB), and side by side they share them, in the order the layers are
+    prepared. A weight of 4 MB or more gets a buffer of its own. One that does not fit the
+    current buffer starts the next; the rest of the old one is never touched, so it holds at
+    most the huge page its last weight ends in."""
 
-    BUFFER_BYTES = 64 << 20
-    ALIGN = 64  # each weight starts on a cache line
+    SMALL_BYTES = 4 << 20  # below this a weight shares a buffer
 
-    def __init__(self) -> None:
+    def __init__(self, buffer_bytes: int = 32 << 20) -> None:
+        self.buffer_bytes = buffer_bytes
         self._buffer: torch.Tensor | None = None
         self._used = 0
 
     def take(self, nbytes: int) -> torch.Tensor:
         """A fresh uint8 [nbytes] slice, contiguous, 64-byte aligned."""
+        if nbytes >= self.SMALL_BYTES:
+            return empty_on_huge_pages([nbytes], torch.uint8)
         if self._buffer is None or self._used + nbytes > self._buffer.numel():
-            size = max(self.BUFFER_BYTES, nbytes)
-            self._buffer = torch.ops.radixserve.empty_on_huge_pages([size], torch.uint8)
+            self._buffer = empty_on_huge_pages([max(self.buffer_bytes, nbytes)], torch.uint8)
             self._used = 0
         out = self._buffer[self._used:self._used + nbytes]
-        self._used += -(-nbytes // self.ALIGN) * self.ALIGN
+        self._used += -(-nbytes // 64) * 64  # the next weight starts on a cache line
         return out
+
+
+def empty_on_huge_pages(shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor on 2 MB pages where the kernels' library is built and Linux
+    gives them (huge_pages.cpp); torch.empty's otherwise."""
+    if not _library():
+        return torch.empty(shape, dtype=dtype)
+    return torch.ops.radixserve.empty_on_huge_pages(shape, dtype)
 
 
 @functools.cache

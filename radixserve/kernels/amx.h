@@ -36,10 +36,10 @@ struct Span {
   asm volatile("tileloadd (%0,%1,1), %%tmm" #T ::"r"(p), "r"(int64_t{stride}) : "memory")
 #define RS_TILE_STORE(T, p, stride) \
   asm volatile("tilestored %%tmm" #T ", (%0,%1,1)" ::"r"(p), "r"(int64_t{stride}) : "memory")
-// The same, declaring exactly the `bytes` bytes from p that a tile load reads or a tile store
-// writes, in place of the clobber of all memory: the compiler may then keep values in
-// registers across them (with the clobber, the Q8_0 loop's 16 float sums went through memory
-// at every tile instruction).
+// The same, declaring the `bytes` bytes from p that a tile load reads or a tile store writes
+// in place of a clobber of all memory, so that the compiler may keep values in registers
+// across them: a loop that holds 16 vectors of sums beside its tile multiplies (the Q8_0
+// matmul) would otherwise store and reload them at every tile instruction.
 #define RS_TILE_LOAD_SPAN(T, p, stride, bytes)                                           \
   asm volatile("tileloadd (%1,%2,1), %%tmm" #T ::"m"(                                    \
                    *reinterpret_cast<const radixserve::amx::Span<bytes>*>(p)),           \

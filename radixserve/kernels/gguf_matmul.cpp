@@ -147,15 +147,16 @@ struct Quantized {
   QuantizedRows rows{};
 };
 
-Quantized quantize(const at::Tensor& x, int block, int path) {
+Quantized quantize(const at::Tensor& x, int block, int path, bool tile_scales = false) {
   const int64_t m = x.size(0), k = x.size(1), blocks = k / block;
   const int64_t n32 = block == 32 ? blocks : 0, n256 = block == 256 ? 1 : 0;
   auto aligned = [](int64_t bytes) { return (bytes + 63) / 64 * 64; };
   const int64_t tiled_rows = path >= 3 ? m / 16 * 16 : 0;  // whole groups of 16 (AMX)
+  const int64_t tiled_dx_rows = tile_scales && block == 32 ? tiled_rows : 0;  // (Q8_0 reads)
   const int64_t sizes[8] = {aligned(m * k), aligned(m * blocks * 4), aligned(m * n32 * 4),
                             aligned(m * n32 * 4), aligned(m * n256 * k / 16 * 2),
                             aligned(m * n256 * k / 32 * 2), aligned(tiled_rows * k),
-                            aligned(tiled_rows * n32 * 4)};
+                            aligned(tiled_dx_rows * blocks * 4)};
   int64_t total = 0;
   for (int64_t size : sizes) total += size;
   Quantized out{at::empty({std::max<int64_t>(total, 1)}, x.options().dtype(at::kByte))};
@@ -172,7 +173,7 @@ Quantized quantize(const at::Tensor& x, int block, int path) {
   int16_t* sums16 = reinterpret_cast<int16_t*>(arrays[4]);
   int16_t* sums32 = reinterpret_cast<int16_t*>(arrays[5]);
   int8_t* tiles = tiled_rows > 0 ? reinterpret_cast<int8_t*>(arrays[6]) : nullptr;
-  float* tile_dx = tiled_rows > 0 && n32 > 0 ? reinterpret_cast<float*>(arrays[7]) : nullptr;
+  float* tile_dx = tiled_dx_rows > 0 ? reinterpret_cast<float*>(arrays[7]) : nullptr;
   out.rows = {q, dx, sums, dxs, sums16, sums32, k, blocks, tiles, tile_dx};
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   const char* src = static_cast<const char*>(x.data_ptr());
@@ -296,8 +297,8 @@ inline uint16_t bf16_bits(uint32_t u) {
   return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-// `count` <= 16 floats to bfloat16 with those bits. Value by value, through c10::BFloat16,
-// writing the outputs took 15% of a 512-row matmul.
+// `count` <= 16 floats to bfloat16 with those bits, four at a time: a prefill's outputs are
+// millions of values, and one at a time their rounding cost 15% of a 512-row matmul.
 inline void write_bf16(const float* row, int64_t count, c10::BFloat16* out) {
 #ifdef RS_X86
   if (count == kRows) {
@@ -382,7 +383,9 @@ at::Tensor gguf_linear(const at::Tensor& x, at::TensorList panels, at::IntArrayR
   const int path = checked_path(max_path);
   // x quantized once per block size that the parts use.
   Quantized quantized32, quantized256;
-  if (blocks32) quantized32 = quantize(x, 32, path);
+  const bool q8 = std::any_of(parts.begin(), parts.end(),
+                              [](const Part& p) { return p.format->kind == Kind::q8s; });
+  if (blocks32) quantized32 = quantize(x, 32, path, q8);
   if (blocks256) quantized256 = quantize(x, 256, path);
   const QuantizedRows& a32 = quantized32.rows;
   const QuantizedRows& a256 = quantized256.rows;
@@ -396,11 +399,14 @@ at::Tensor gguf_linear(const at::Tensor& x, at::TensorList panels, at::IntArrayR
   // from the back of the others' shares. Cores need not run at one speed (a VM's vCPU whose
   // host core is busy with a neighbour, a laptop's efficiency cores: on this project's 2-core
   // VMs one core at times ran this kernel at 0.6x the other's rate), and with fixed shares
-  // the fast one would wait for the slow one. From kWideRunRows rows of x on, a run holds at
-  // least kRunPanels panels, so that its outputs are written in whole lines (write_run); a
-  // decode step's few rows keep small runs, and the threads end together.
-  const int64_t run_panels = std::max<int64_t>(m >= kWideRunRows ? kRunPanels : 1,
-                                               32768 / parts[0].panel_stride);
+  // the fast one would wait for the slow one. From kWideRunRows rows of x on, a run holds up
+  // to kRunPanels panels (while each thread still gets two runs), so that its outputs are
+  // written in whole lines (write_run); a decode step's few rows keep small runs, and the
+  // threads end together.
+  const int64_t threads_here = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t wide = std::clamp<int64_t>(total_panels / (2 * threads_here), 1, kRunPanels);
+  const int64_t run_panels =
+      std::max<int64_t>(m >= kWideRunRows ? wide : 1, 32768 / parts[0].panel_stride);
   const int64_t runs = (total_panels + run_panels - 1) / run_panels;
   const int64_t threads = std::clamp<int64_t>(at::get_num_threads(), 1, runs);
   RunShares shares(runs, threads);
@@ -421,9 +427,9 @@ at::Tensor gguf_linear(const at::Tensor& x, at::TensorList panels, at::IntArrayR
   };
   // Run `claimed` for every row of x: per chunk of rows, its panels one after another, then
   // the chunk's outputs row by row. A row's columns from the run's panels lie side by side,
-  // so each row is written in whole cache lines; written panel by panel, the rows' 32-byte
-  // pieces (a row's columns apart, 4 KB for 2,048 bfloat16 columns) evicted each other from
-  // L1, and writing took 15-20% of a 512-row matmul.
+  // so each row is written in whole cache lines. One panel's 32-byte pieces of many rows lie
+  // a row of outputs apart (4 KB for 2,048 bfloat16 columns), all in one set of L1, where
+  // they evict each other: written that way, the outputs cost 15-20% of a 512-row matmul.
   auto write_run = [&](int64_t claimed, float* acc, Place* places) {
     const int64_t first = claimed * run_panels;
     const int64_t count = std::min(total_panels, first + run_panels) - first;
