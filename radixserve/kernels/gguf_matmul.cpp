@@ -403,12 +403,12 @@ at::Tensor gguf_linear(const at::Tensor& x, at::TensorList panels, at::IntArrayR
   // to kRunPanels panels (while each thread still gets two runs), so that its outputs are
   // written in whole lines (write_run); a decode step's few rows keep small runs, and the
   // threads end together.
-  const int64_t threads_here = std::max<int64_t>(1, at::get_num_threads());
-  const int64_t wide = std::clamp<int64_t>(total_panels / (2 * threads_here), 1, kRunPanels);
+  const int64_t max_threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t wide = std::clamp<int64_t>(total_panels / (2 * max_threads), 1, kRunPanels);
   const int64_t run_panels =
       std::max<int64_t>(m >= kWideRunRows ? wide : 1, 32768 / parts[0].panel_stride);
   const int64_t runs = (total_panels + run_panels - 1) / run_panels;
-  const int64_t threads = std::clamp<int64_t>(at::get_num_threads(), 1, runs);
+  const int64_t threads = std::min(max_threads, runs);
   RunShares shares(runs, threads);
   // Where panel `index` of all parts' panels lies.
   struct Place {

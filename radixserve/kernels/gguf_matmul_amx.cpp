@@ -284,14 +284,14 @@ RS_AMX void superblock(const uint8_t* block, const uint8_t* unpacked, const Quan
     RS_TILE_ZERO(0);
     RS_TILE_ZERO(1);
     for (int j = 0; j < 8; ++j) {
-      RS_TILE_LOAD(2, qb + kTileBytes * j, 32);
-      RS_TILE_LOAD(4, hi + j * 8 * kUnit, 64);
-      RS_TILE_LOAD(5, lo + j * 8 * kUnit, 64);
+      RS_TILE_LOAD_SPAN(2, qb + kTileBytes * j, 32, kTileBytes);
+      RS_TILE_LOAD_SPAN(4, hi + j * 8 * kUnit, 64, 8 * kUnit);
+      RS_TILE_LOAD_SPAN(5, lo + j * 8 * kUnit, 64, 8 * kUnit);
       RS_TILE_DP("tdpbsud", 0, 2, 4);
       RS_TILE_DP("tdpbsud", 1, 2, 5);
     }
-    RS_TILE_STORE(0, c[0], 64);
-    RS_TILE_STORE(1, c[1], 64);
+    RS_TILE_STORE_SPAN(0, c[0], 64, kGroup * kRows * 4);
+    RS_TILE_STORE_SPAN(1, c[1], 64, kGroup * kRows * 4);
     for (int r = 0; r < kGroup; ++r)
       total[r] = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(c[0] + r * kRows), 3),
                                   _mm512_load_si512(c[1] + r * kRows));

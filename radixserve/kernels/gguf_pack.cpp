@@ -77,16 +77,15 @@ void pack_block(const Format& f, const uint8_t* in, uint8_t* block, int lane) {
   }
 }
 
-// Bytes of the panels of N rows of `row_bytes` bytes of GGUF type ggml_type.
+// Bytes of the panels of N rows of `row_bytes` bytes in format f, which must be whole blocks.
 int64_t packed_bytes(const Format& f, int64_t n, int64_t row_bytes) {
+  TORCH_CHECK_VALUE(n >= 1 && row_bytes >= 1 && row_bytes % f.type_bytes == 0,
+                    "raw rows of ", row_bytes, " bytes are not whole blocks of ", f.type_bytes);
   return (n + kRows - 1) / kRows * (row_bytes / f.type_bytes) * f.panel_bytes;
 }
 
 int64_t gguf_packed_bytes(int64_t ggml_type, int64_t n, int64_t row_bytes) {
-  const Format& f = checked_format(ggml_type);
-  TORCH_CHECK_VALUE(n >= 1 && row_bytes >= 1 && row_bytes % f.type_bytes == 0,
-                    "rows of ", row_bytes, " bytes are not whole blocks of ", f.type_bytes);
-  return packed_bytes(f, n, row_bytes);
+  return packed_bytes(checked_format(ggml_type), n, row_bytes);
 }
 
 // Checks raw (uint8 [N, row_bytes], whole blocks of f) and row_order; their row count.
@@ -95,9 +94,8 @@ int64_t checked_rows(const Format& f, const at::Tensor& raw,
   TORCH_CHECK_VALUE(raw.device().is_cpu() && raw.scalar_type() == at::kByte && raw.dim() == 2 &&
                         raw.is_contiguous(),
                     "raw: contiguous uint8 [rows, row_bytes] on the CPU");
-  const int64_t n = raw.size(0), row_bytes = raw.size(1);
-  TORCH_CHECK_VALUE(n >= 1 && row_bytes >= 1 && row_bytes % f.type_bytes == 0,
-                    "raw rows of ", row_bytes, " bytes are not whole blocks of ", f.type_bytes);
+  const int64_t n = raw.size(0);
+  packed_bytes(f, n, raw.size(1));  // whole blocks
   if (row_order.has_value() && row_order->defined()) {
     TORCH_CHECK_VALUE(row_order->scalar_type() == at::kLong && row_order->dim() == 1 &&
                           row_order->numel() == n && row_order->is_contiguous(),
