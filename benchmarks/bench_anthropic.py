@@ -31,8 +31,8 @@ import anthropic
 from radixserve.bench.textgen import WordBank
 from radixserve.model.default_model import default_model_path
 from radixserve.model.loader import load_tokenizer
-from radixserve.server.launcher import start_server
-from radixserve.vendors import break_even_reuses, default_prices, get_profile
+from radixserve.provider_caching import break_even_reuses, default_prices, get_profile
+from radixserve.testing.server import start_server
 
 MODEL = "claude-sonnet-4-6"  # profile anthropic-1024: $3/MTok input
 USER = [{"role": "user", "content": "Answer in one word: ready?"}]

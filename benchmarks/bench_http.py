@@ -29,7 +29,7 @@ import openai
 from radixserve.bench.textgen import WordBank
 from radixserve.model.default_model import default_model_path
 from radixserve.model.loader import load_tokenizer
-from radixserve.server.launcher import read_metrics, start_server
+from radixserve.testing.server import read_metrics, start_server
 
 
 @dataclass

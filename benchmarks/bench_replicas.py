@@ -45,7 +45,7 @@ from radixserve.bench.client import StreamOutcome, stream_request
 from radixserve.bench.textgen import WordBank
 from radixserve.model.default_model import default_model_path
 from radixserve.model.loader import load_tokenizer
-from radixserve.server.launcher import ServerProcess, read_metrics, start_server
+from radixserve.testing.server import ServerProcess, read_metrics, start_server
 
 ROUTERS = ("prefix", "pow2", "round-robin", "ray-prefix")
 WORKLOADS = ("shared", "unique")

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from radixserve.model.default_model import default_model_path
-from radixserve.server.launcher import ServerProcess, start_server
+from radixserve.testing.server import ServerProcess, start_server
 
 # Two cores: more threads than cores makes torch's OpenMP workers spin against each other.
 torch.set_num_threads(2)

@@ -19,10 +19,10 @@ import pytest
 from radixserve.bench.textgen import WordBank
 from radixserve.model.loader import load_tokenizer
 from radixserve.model.tokenizer import ChatTokenizer
+from radixserve.provider_caching import chat_prompt, render_prompt, render_request
 from radixserve.server.anthropic_messages import _StreamBlocks
-from radixserve.server.launcher import ServerProcess, read_metrics
 from radixserve.server.tool_use import CallReading
-from radixserve.vendors import chat_prompt, render_prompt, render_request
+from radixserve.testing.server import ServerProcess, read_metrics
 from tests.conftest import running_server
 
 MODEL = "claude-sonnet-4-6"  # an alias of the served model (1,024-token profile)

@@ -16,7 +16,7 @@ import pytest
 
 from radixserve.bench.textgen import WordBank
 from radixserve.model.loader import load_tokenizer
-from radixserve.server.launcher import ServerProcess, wait_idle
+from radixserve.testing.server import ServerProcess, wait_idle
 from tests.conftest import running_server
 
 MODEL = "claude-sonnet-4-6"

@@ -18,7 +18,7 @@ import pytest
 
 from radixserve.bench.textgen import WordBank
 from radixserve.model.loader import load_tokenizer
-from radixserve.server.launcher import ServerProcess
+from radixserve.testing.server import ServerProcess
 from tests.conftest import running_server
 
 SONNET = "claude-sonnet-4-6"  # profile anthropic-1024

@@ -17,8 +17,8 @@ import pytest
 
 from radixserve.sampling_params import SamplingParams
 from radixserve.server.cache_stats import CacheStatsBook, namespace_label
-from radixserve.server.launcher import ServerProcess, read_metrics
 from radixserve.server.serving import Job, JobEnd
+from radixserve.testing.server import ServerProcess, read_metrics
 from tests.conftest import running_server
 
 MODEL = "SmolLM2-135M-Instruct"

@@ -17,7 +17,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from radixserve.server.dashboard import install_dashboard
-from radixserve.server.launcher import ServerProcess, wait_idle
+from radixserve.testing.server import ServerProcess, wait_idle
 from tests.conftest import running_server
 
 try:

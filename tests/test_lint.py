@@ -225,7 +225,7 @@ def test_simulator_reproduces_the_break_even_arithmetic(tokenizer, tmp_path):
     )
     prices = tmp_path / "prices.json"
     prices.write_text(json.dumps({"anthropic-1024": {"input": 1.0, "output": 5.0}}))
-    from radixserve.vendors import load_prices
+    from radixserve.provider_caching import load_prices
 
     options = LintOptions(simulate="anthropic", prices=load_prices(prices))
     sim = lint_log(read_logs([log]), tokenizer, options).simulation

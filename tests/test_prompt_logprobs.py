@@ -20,7 +20,7 @@ import torch
 from radixserve import LLM, SamplingParams
 from radixserve.engine.scheduler import SchedulerOutput
 from radixserve.outputs import RequestOutput, TokenLogprob
-from radixserve.server.launcher import ServerProcess, start_server, wait_idle
+from radixserve.testing.server import ServerProcess, start_server, wait_idle
 from tests.conftest import SMALL_ENGINE
 
 MODEL = "SmolLM2-135M-Instruct"

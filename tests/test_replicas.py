@@ -27,7 +27,7 @@ import httpx
 import pytest
 
 from radixserve.model.tokenizer import ChatTokenizer
-from radixserve.server.launcher import ServerProcess, read_metrics, wait_idle
+from radixserve.testing.server import ServerProcess, read_metrics, wait_idle
 from tests import test_anthropic_messages as anthropic_suite
 from tests import test_server_openai as openai_suite
 from tests.conftest import running_server

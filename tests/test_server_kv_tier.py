@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from radixserve import LLM, SamplingParams
-from radixserve.server.launcher import ServerProcess, read_metrics, wait_idle
+from radixserve.testing.server import ServerProcess, read_metrics, wait_idle
 from tests.conftest import running_server
 
 MODEL = "SmolLM2-135M-Instruct"

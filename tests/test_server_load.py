@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from radixserve.server.launcher import ServerProcess, start_server, wait_idle
+from radixserve.testing.server import ServerProcess, start_server, wait_idle
 
 MODEL = "SmolLM2-135M-Instruct"
 WORDS = ("river stone light paper window garden music winter orange castle signal market "

@@ -16,8 +16,8 @@ import pytest
 from radixserve.bench.textgen import WordBank
 from radixserve.model.loader import load_tokenizer
 from radixserve.model.tokenizer import ChatTokenizer
-from radixserve.server.launcher import ServerProcess, read_metrics, wait_idle
 from radixserve.server.openai_protocol import IGNORED_FIELDS
+from radixserve.testing.server import ServerProcess, read_metrics, wait_idle
 from tests.conftest import running_server
 
 MODEL = "SmolLM2-135M-Instruct"

@@ -18,7 +18,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from radixserve.server.anthropic_messages import THINKING_HEADER
-from radixserve.server.launcher import ServerProcess
+from radixserve.testing.server import ServerProcess
 
 MODEL = "SmolLM2-135M-Instruct"
 WEATHER = {"type": "function", "function": {

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from radixserve.server.launcher import ServerProcess, start_server, wait_idle
+from radixserve.testing.server import ServerProcess, start_server, wait_idle
 
 MODEL = "SmolLM2-135M-Instruct"
 KEY_A, KEY_B = "key-tenant-a", "key-tenant-b"

@@ -15,8 +15,13 @@ from radixserve.lint.repairs import LOG_WIDE, Delay, Repair, UnifyTools, repair_
 from radixserve.lint.rules import breakpoint_instances, fan_out_instances, setting_instances
 from radixserve.lint.simulate import SimulationResult, corpus_requests, simulate
 from radixserve.lint.structure import PrefixStructure, analyse_structure
-from radixserve.vendors.prices import PriceTable, default_prices
-from radixserve.vendors.profiles import ModelProfile, Vendor, get_profile, profile_for_model
+from radixserve.provider_caching.prices import PriceTable, default_prices
+from radixserve.provider_caching.profiles import (
+    ModelProfile,
+    Vendor,
+    get_profile,
+    profile_for_model,
+)
 
 
 @dataclass(frozen=True)

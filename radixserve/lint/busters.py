@@ -26,9 +26,9 @@ from radixserve.lint.repairs import (
     UnifyTools,
 )
 from radixserve.lint.structure import Divergence, PrefixStructure
-from radixserve.vendors.breakpoints import check_breakpoints
-from radixserve.vendors.render import canonical_json
-from radixserve.vendors.template import common_prefix_length
+from radixserve.provider_caching.breakpoints import check_breakpoints
+from radixserve.provider_caching.render import canonical_json
+from radixserve.provider_caching.template import common_prefix_length
 
 _WORD_CHARS = frozenset("-:_./+")
 # Smaller losses are noise: two different questions often share a final "?".

@@ -11,8 +11,8 @@ import json
 import sys
 from typing import Any
 
-from radixserve.vendors.prices import MissingPrice, default_prices, load_prices
-from radixserve.vendors.profiles import PROFILES, VENDORS, get_profile
+from radixserve.provider_caching.prices import MissingPrice, default_prices, load_prices
+from radixserve.provider_caching.profiles import PROFILES, VENDORS, get_profile
 
 EXIT_CLEAN, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
 

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from radixserve.lint.logs import LogContents, LoggedRequest, MalformedLine
-from radixserve.vendors.layout import prefix_hashes
-from radixserve.vendors.render import BodyError, RenderedRequest, render_request
+from radixserve.provider_caching.layout import prefix_hashes
+from radixserve.provider_caching.render import BodyError, RenderedRequest, render_request
 
 # Lines without a timestamp are placed this long after the previous request.
 UNTIMED_GAP_S = 1.0

@@ -18,7 +18,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from radixserve.vendors.render import ApiFormat, BodyError, detect_format
+from radixserve.provider_caching.render import ApiFormat, BodyError, detect_format
 
 _WRAPPER_BODY_KEYS = ("body", "request")
 

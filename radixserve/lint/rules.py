@@ -11,7 +11,7 @@ from radixserve.lint.corpus import Corpus, LintRequest
 from radixserve.lint.findings import Instance
 from radixserve.lint.repairs import AddAutomaticCaching, Delay, PinSetting
 from radixserve.lint.structure import PrefixStructure
-from radixserve.vendors.breakpoints import check_breakpoints
+from radixserve.provider_caching.breakpoints import check_breakpoints
 
 # A prefix unused this long is cold again (the default 5-minute TTL).
 _COLD_AFTER_S = 300.0

@@ -11,12 +11,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from radixserve.lint.corpus import Corpus
-from radixserve.vendors.breakpoints import check_breakpoints
-from radixserve.vendors.layout import PromptLayout, build_layout
-from radixserve.vendors.prices import Cost, PriceTable, break_even_reuses, request_cost
-from radixserve.vendors.profiles import ModelProfile, Vendor
-from radixserve.vendors.usage import CacheUsage
-from radixserve.vendors.vendor_rules import VendorCache
+from radixserve.provider_caching.breakpoints import check_breakpoints
+from radixserve.provider_caching.layout import PromptLayout, build_layout
+from radixserve.provider_caching.prices import Cost, PriceTable, break_even_reuses, request_cost
+from radixserve.provider_caching.profiles import ModelProfile, Vendor
+from radixserve.provider_caching.usage import CacheUsage
+from radixserve.provider_caching.vendor_rules import VendorCache
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from radixserve.lint.corpus import Corpus, LintRequest
-from radixserve.vendors.template import common_prefix_length
+from radixserve.provider_caching.template import common_prefix_length
 
 # Without any shared leading block, the reference is the most similar of this many
 # preceding requests (blocks equal at equal positions, weighted by tokens).

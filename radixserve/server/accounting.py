@@ -14,11 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Literal
 
 from radixserve.outputs import RequestOutput
-from radixserve.server.auth import CacheNamespace
-from radixserve.server.metrics import ServerMetrics
-from radixserve.server.serving import Job
-from radixserve.server.settings import ServerSettings
-from radixserve.vendors import (
+from radixserve.provider_caching import (
     PROFILES,
     Accounting,
     Cost,
@@ -33,7 +29,11 @@ from radixserve.vendors import (
     profile_for_model,
     request_cost,
 )
-from radixserve.vendors.usage import CacheUsage
+from radixserve.provider_caching.usage import CacheUsage
+from radixserve.server.auth import CacheNamespace
+from radixserve.server.metrics import ServerMetrics
+from radixserve.server.serving import Job
+from radixserve.server.settings import ServerSettings
 
 Api = Literal["anthropic", "openai"]
 

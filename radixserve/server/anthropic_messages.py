@@ -15,6 +15,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from radixserve.outputs import RequestOutput
+from radixserve.provider_caching import Cost
 from radixserve.sampling_params import SamplingParams, StructuredOutputsParams
 from radixserve.server.accounting import CacheLedger, JobAccount
 from radixserve.server.anthropic_prompt import PreparedPrompt, prepare_prompt
@@ -41,7 +42,6 @@ from radixserve.server.tool_use import (
 )
 from radixserve.server.transport import sse
 from radixserve.server.validation import checked_sampling_params
-from radixserve.vendors import Cost
 
 COST_HEADER = "x-radixserve-cost-usd"
 # Extended thinking (or output_config.effort) asked of a model without a reasoning mode:
@@ -76,7 +76,7 @@ async def prepare_message(ctx: ServerContext, request: Request, raw: bytes) -> M
     tools = anthropic_tools(body.tools)
     choice = anthropic_tool_choice(body.tool_choice, tools)
     output_format = _output_format(body.output_config)
-    # The tools section of the prompt (vendors.template) asks for hermes-style calls. (A
+    # The tools section of the prompt (provider_caching.template) asks for hermes-style calls. (A
     # pre-warm with a forced call never gets here: _check_prewarm refuses it.)
     structured = turn_constraint(
         [(output_format, "output_config.format")] if output_format else [], tools, choice,

@@ -13,12 +13,7 @@ from typing import TypeVar
 import jinja2
 
 from radixserve.model.tokenizer import ChatTokenizer
-from radixserve.server.accounting import is_known_anthropic_model
-from radixserve.server.anthropic_protocol import TEXT_BLOCK_TYPES, CountTokensRequest
-from radixserve.server.context import ServerContext
-from radixserve.server.errors import APIError, bad_request
-from radixserve.server.transport import parse_body
-from radixserve.vendors import (
+from radixserve.provider_caching import (
     BodyError,
     Breakpoint,
     CacheControlError,
@@ -29,8 +24,13 @@ from radixserve.vendors import (
     render_request,
     validate_breakpoints,
 )
-from radixserve.vendors.template import ChatPrompt, breakpoint_token_offsets, render_prompt
-from radixserve.vendors.vendor_rules import TTL_SECONDS
+from radixserve.provider_caching.template import ChatPrompt, breakpoint_token_offsets, render_prompt
+from radixserve.provider_caching.vendor_rules import TTL_SECONDS
+from radixserve.server.accounting import is_known_anthropic_model
+from radixserve.server.anthropic_protocol import TEXT_BLOCK_TYPES, CountTokensRequest
+from radixserve.server.context import ServerContext
+from radixserve.server.errors import APIError, bad_request
+from radixserve.server.transport import parse_body
 
 RequestT = TypeVar("RequestT", bound=CountTokensRequest)
 

@@ -1,5 +1,5 @@
 """Anthropic Messages API shapes: request models (types checked here, cache blocks and
-breakpoints by `radixserve.vendors`), the response and usage bodies, and the error shape
+breakpoints by `radixserve.provider_caching`), the response and usage bodies, and the error shape
 `{"type": "error", "error": {"type", "message"}}` with a `request-id` header.
 """
 
@@ -12,9 +12,9 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import Field
 
 from radixserve.outputs import CompletionOutput
+from radixserve.provider_caching.usage import CacheUsage
 from radixserve.server.errors import APIError
 from radixserve.server.transport import StrictModel
-from radixserve.vendors.usage import CacheUsage
 
 # Block types a text model can read; image and document sources cannot be rendered as text.
 TEXT_BLOCK_TYPES = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking")

@@ -301,8 +301,8 @@ def _load(args: argparse.Namespace) -> tuple[ServerSettings, AsyncEngine]:
     from radixserve.engine.async_engine import AsyncEngine
     from radixserve.engine.engine import LLMEngine
     from radixserve.model.default_model import ModelFetchError
+    from radixserve.provider_caching import load_prices
     from radixserve.server.accounting import OffsetClock
-    from radixserve.vendors import load_prices
 
     try:
         settings = _settings(args)

@@ -23,8 +23,8 @@ from prometheus_client.registry import Collector
 from radixserve.cache.base import CacheStats
 from radixserve.engine.engine import LLMEngine, PoolStats
 from radixserve.kv_tier.store import LOAD_BUCKETS, TierStats
+from radixserve.provider_caching.usage import CacheUsage
 from radixserve.server.metrics_compat import VllmView
-from radixserve.vendors.usage import CacheUsage
 
 PREFIX = "radixserve:"
 

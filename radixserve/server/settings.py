@@ -35,7 +35,7 @@ class ServerSettings:
     cache_accounting: str = "engine"
     # Overrides every vendor profile's minimum cacheable prefix (vendor accounting only).
     min_cacheable_tokens: int | None = None
-    prices_path: str | None = None  # JSON price overrides (radixserve.vendors.prices)
+    prices_path: str | None = None  # JSON price overrides (radixserve.provider_caching.prices)
     # Mounts POST /debug/clock/advance, which moves the engine's (and the vendor
     # emulation's) clock forward so tests can expire TTLs; never in production.
     enable_clock_control: bool = False

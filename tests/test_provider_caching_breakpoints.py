@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from radixserve.vendors import (
+from radixserve.provider_caching import (
     CacheControlError,
     check_breakpoints,
     render_request,

@@ -3,15 +3,20 @@ breakpoints, their token offsets, vendor accounting and prices. Pure functions o
 offsets; the server, the linter and `radixserve.testing` share them.
 """
 
-from radixserve.vendors.breakpoints import (
+from radixserve.provider_caching.breakpoints import (
     Breakpoint,
     BreakpointCheck,
     CacheControlError,
     check_breakpoints,
     validate_breakpoints,
 )
-from radixserve.vendors.layout import LayoutBreakpoint, PromptLayout, build_layout, prefix_hashes
-from radixserve.vendors.prices import (
+from radixserve.provider_caching.layout import (
+    LayoutBreakpoint,
+    PromptLayout,
+    build_layout,
+    prefix_hashes,
+)
+from radixserve.provider_caching.prices import (
     Cost,
     ModelPrice,
     PriceTable,
@@ -20,8 +25,13 @@ from radixserve.vendors.prices import (
     load_prices,
     request_cost,
 )
-from radixserve.vendors.profiles import PROFILES, ModelProfile, get_profile, profile_for_model
-from radixserve.vendors.render import (
+from radixserve.provider_caching.profiles import (
+    PROFILES,
+    ModelProfile,
+    get_profile,
+    profile_for_model,
+)
+from radixserve.provider_caching.render import (
     BodyError,
     CacheBlock,
     CacheControl,
@@ -32,15 +42,15 @@ from radixserve.vendors.render import (
     detect_format,
     render_request,
 )
-from radixserve.vendors.template import (
+from radixserve.provider_caching.template import (
     ChatPrompt,
     RenderedPrompt,
     breakpoint_token_offsets,
     chat_prompt,
     render_prompt,
 )
-from radixserve.vendors.usage import CacheUsage
-from radixserve.vendors.vendor_rules import Accounting, VendorCache
+from radixserve.provider_caching.usage import CacheUsage
+from radixserve.provider_caching.vendor_rules import Accounting, VendorCache
 
 __all__ = [
     "PROFILES", "Accounting", "BodyError", "Breakpoint", "BreakpointCheck", "CacheBlock",

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixserve.vendors import PromptLayout, VendorCache, get_profile, profile_for_model
-from radixserve.vendors.layout import LayoutBreakpoint
+from radixserve.provider_caching import PromptLayout, VendorCache, get_profile, profile_for_model
+from radixserve.provider_caching.layout import LayoutBreakpoint
 
 SONNET = get_profile("anthropic-1024")
 OPENAI = get_profile("openai")

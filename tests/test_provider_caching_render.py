@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from radixserve.vendors import (
+from radixserve.provider_caching import (
     BodyError,
     breakpoint_token_offsets,
     chat_prompt,
@@ -14,8 +14,8 @@ from radixserve.vendors import (
     render_request,
     validate_breakpoints,
 )
-from radixserve.vendors.layout import prefix_hashes
-from radixserve.vendors.render import block_end_offsets, block_token_counts
+from radixserve.provider_caching.layout import prefix_hashes
+from radixserve.provider_caching.render import block_end_offsets, block_token_counts
 
 TOOL = {
     "name": "get_weather",

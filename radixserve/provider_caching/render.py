@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-from radixserve.vendors.detect import ApiFormat, BodyError, detect_format
+from radixserve.provider_caching.detect import ApiFormat, BodyError, detect_format
 
 Tier = Literal["tools", "system", "messages"]
 Ttl = Literal["5m", "1h"]
@@ -142,7 +142,7 @@ def block_token_counts(request: RenderedRequest, tokenizer: TextTokenizer) -> li
 
     Blockwise counts are exact at block boundaries by construction (no token spans two
     blocks), which is what vendor-style block accounting needs. Chat-template framing tokens
-    are not counted; for offsets in a model's real prompt use `vendors.template`.
+    are not counted; for offsets in a model's real prompt use `provider_caching.template`.
     """
     return [len(tokenizer.encode(b.text, add_special_tokens=False)) for b in request.blocks]
 

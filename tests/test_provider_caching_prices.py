@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from radixserve.vendors import (
+from radixserve.provider_caching import (
     CacheUsage,
     ModelPrice,
     PromptLayout,
@@ -19,7 +19,7 @@ from radixserve.vendors import (
     profile_for_model,
     request_cost,
 )
-from radixserve.vendors.layout import LayoutBreakpoint
+from radixserve.provider_caching.layout import LayoutBreakpoint
 
 ONE_DOLLAR = ModelPrice(input_per_mtok=1.0, output_per_mtok=5.0)
 MILLION = 1_000_000
@@ -121,7 +121,7 @@ def test_bad_price_files_are_rejected(tmp_path, content, message):
 
 
 def test_missing_price_says_so():
-    from radixserve.vendors.prices import MissingPrice, PriceTable
+    from radixserve.provider_caching.prices import MissingPrice, PriceTable
 
     with pytest.raises(MissingPrice, match="--prices"):
         PriceTable({}).lookup("m", get_profile("openai"))

@@ -14,9 +14,9 @@ from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from radixserve.vendors.layout import PromptLayout
-from radixserve.vendors.profiles import ModelProfile
-from radixserve.vendors.usage import CacheUsage
+from radixserve.provider_caching.layout import PromptLayout
+from radixserve.provider_caching.profiles import ModelProfile
+from radixserve.provider_caching.usage import CacheUsage
 
 TTL_SECONDS = {"5m": 300.0, "1h": 3600.0}
 _SWEEP_INTERVAL_S = 60.0

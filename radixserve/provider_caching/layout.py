@@ -8,8 +8,8 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from radixserve.vendors.breakpoints import Breakpoint
-from radixserve.vendors.render import TIERS, RenderedRequest, Setting
+from radixserve.provider_caching.breakpoints import Breakpoint
+from radixserve.provider_caching.render import TIERS, RenderedRequest, Setting
 
 
 @dataclass(frozen=True)

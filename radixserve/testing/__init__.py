@@ -15,10 +15,10 @@ from datetime import date
 from typing import Any, Literal
 
 from radixserve.lint.patterns import volatile_kind
-from radixserve.vendors.breakpoints import check_breakpoints
-from radixserve.vendors.profiles import profile_for_model
-from radixserve.vendors.render import render_request
-from radixserve.vendors.template import common_prefix_length
+from radixserve.provider_caching.breakpoints import check_breakpoints
+from radixserve.provider_caching.profiles import profile_for_model
+from radixserve.provider_caching.render import render_request
+from radixserve.provider_caching.template import common_prefix_length
 
 _UUID = re.compile(r"\b[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}\b")
 _NO_USAGE = (

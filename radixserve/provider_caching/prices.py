@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from radixserve.vendors.profiles import ModelProfile
-from radixserve.vendors.usage import CacheUsage
+from radixserve.provider_caching.profiles import ModelProfile
+from radixserve.provider_caching.usage import CacheUsage
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from radixserve.vendors.render import RenderedRequest
+from radixserve.provider_caching.render import RenderedRequest
 
 # Asks for the hermes format, which the server reads tool calls in (and forces them in).
 TOOLS_HEADER = ('# Tools\nYou may call the following tools (JSON schemas). To call one, reply '

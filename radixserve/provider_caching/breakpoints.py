@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from radixserve.vendors.render import CacheControl, RenderedRequest
+from radixserve.provider_caching.render import CacheControl, RenderedRequest
 
 MAX_BREAKPOINTS = 4
 TTLS = ("5m", "1h")
