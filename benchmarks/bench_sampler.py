@@ -18,7 +18,7 @@ import torch
 
 from radixserve import LLM
 from radixserve.engine import sampler
-from radixserve.engine.sampler import SampleRow
+from radixserve.engine.sampling_rows import SampleRow
 from radixserve.kernels.cpu import describe
 from radixserve.sampling_params import SamplingParams
 

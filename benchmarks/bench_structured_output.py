@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 from radixserve import LLM
-from radixserve.engine.sampler import SampleRow, sample
+from radixserve.engine.sampler import sample
+from radixserve.engine.sampling_rows import SampleRow
 from radixserve.engine.structured_output import GrammarCompiler, fill_masks
 from radixserve.kernels.cpu import describe
 from radixserve.sampling_params import SamplingParams, StructuredOutputsParams

@@ -15,7 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from radixserve.engine.logits_processors import apply_logits_processors
-from radixserve.engine.sampler import SampleRow, sample
+from radixserve.engine.sampler import sample
+from radixserve.engine.sampling_rows import SampleRow
 from radixserve.sampling_params import SamplingParams
 
 VOCAB = 12

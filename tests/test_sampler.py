@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from radixserve.engine.sampler import SampleRow, sample
+from radixserve.engine.sampler import sample
+from radixserve.engine.sampling_rows import SampleRow
 from radixserve.sampling_params import SamplingParams
 
 LOGITS = torch.tensor([0.0, 1.0, 2.0, float("-inf"), 0.5, -3.0])

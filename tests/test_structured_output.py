@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from radixserve import LLM
-from radixserve.engine.sampler import SamplerKernels, SampleRow, allowed_tokens, sample
+from radixserve.engine.sampler import SamplerKernels, allowed_tokens, sample
+from radixserve.engine.sampling_rows import SampleRow
 from radixserve.kernels import token_bitmask_op
 from radixserve.sampling_params import SamplingParams, StructuredOutputsParams
 from radixserve.server.tool_parsers import ToolCall

@@ -15,14 +15,10 @@ Most batches ask for none of it: they cost one cheap check per row and get `logi
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
+from radixserve.engine.sampling_rows import SampleRow
 from radixserve.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from radixserve.engine.sampler import SampleRow
 
 
 def _asks(params: SamplingParams) -> bool:

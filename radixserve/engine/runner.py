@@ -19,7 +19,8 @@ import torch
 
 from radixserve.engine.kv_pool import KVPool
 from radixserve.engine.request import Request
-from radixserve.engine.sampler import SampleResult, SamplerKernels, SampleRow, sample
+from radixserve.engine.sampler import SamplerKernels, sample
+from radixserve.engine.sampling_rows import SampleResult, SampleRow
 from radixserve.engine.scheduler import SchedulerOutput
 from radixserve.engine.structured_output import fill_masks
 from radixserve.kernels import argmax_op, token_bitmask_op
