@@ -10,13 +10,7 @@ import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-
-def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+from radixserve.sequences import common_prefix_len
 
 
 @dataclass

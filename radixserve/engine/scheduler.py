@@ -31,7 +31,7 @@ from radixserve.config import DEDUP_MIN_TOKENS, EngineConfig
 from radixserve.engine.kv_pool import OutOfSlots, PageAllocator
 from radixserve.engine.request import Request, RequestStatus
 from radixserve.outputs import FinishReason
-from radixserve.prefix import common_prefix_len
+from radixserve.sequences import common_prefix_len
 
 logger = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from radixserve.lint.repairs import (
 from radixserve.lint.structure import Divergence, PrefixStructure
 from radixserve.provider_caching.breakpoints import check_breakpoints
 from radixserve.provider_caching.render import canonical_json
-from radixserve.provider_caching.template import common_prefix_length
+from radixserve.sequences import common_prefix_len
 
 _WORD_CHARS = frozenset("-:_./+")
 # Smaller losses are noise: two different questions often share a final "?".
@@ -102,8 +102,8 @@ def _explain(corpus: Corpus, r: LintRequest, q: LintRequest, d: Divergence,
 def _changed_span(a: str, b: str) -> tuple[int, int]:
     """Where `a` differs from `b` (common prefix and suffix removed), widened to whole words
     so a date or id is reported and moved whole."""
-    start = common_prefix_length(a, b)
-    suffix = common_prefix_length(a[start:][::-1], b[start:][::-1])
+    start = common_prefix_len(a, b)
+    suffix = common_prefix_len(a[start:][::-1], b[start:][::-1])
     while start > 0 and (a[start - 1].isalnum() or a[start - 1] in _WORD_CHARS):
         start -= 1
     end = len(a) - suffix

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from radixserve.lint.corpus import Corpus, LintRequest
-from radixserve.provider_caching.template import common_prefix_length
+from radixserve.sequences import common_prefix_len
 
 # Without any shared leading block, the reference is the most similar of this many
 # preceding requests (blocks equal at equal positions, weighted by tokens).
@@ -110,6 +110,6 @@ def _divergence(corpus: Corpus, r: LintRequest, reference: int | None, depth: in
         shared = r.start_of(depth) if depth < len(r.chain) else r.total_tokens
         return Divergence(r.index, reference, depth, 0, shared, depth >= len(q.chain))
     a, b = r.rendered.blocks[depth].text, q.rendered.blocks[depth].text
-    chars = common_prefix_length(a, b) if r.rendered.blocks[depth].kind == q.rendered.blocks[depth].kind else 0
+    chars = common_prefix_len(a, b) if r.rendered.blocks[depth].kind == q.rendered.blocks[depth].kind else 0
     shared = r.start_of(depth) + corpus.tokenizer.count_once(a[:chars])
     return Divergence(r.index, reference, depth, chars, shared, False)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from radixserve.provider_caching.render import RenderedRequest
+from radixserve.sequences import common_prefix_len
 
 # Asks for the hermes format, which the server reads tool calls in (and forces them in).
 TOOLS_HEADER = ('# Tools\nYou may call the following tools (JSON schemas). To call one, reply '
@@ -126,20 +127,8 @@ def breakpoint_token_offsets(
     for block in block_indices:
         cut = tokenizer.apply_chat_template(prompt.chat_messages(block),
                                             add_generation_prompt=False)
-        chars = common_prefix_length(cut, rendered.text)
+        chars = common_prefix_len(cut, rendered.text)
         ids = tokenizer.encode(rendered.text[:chars], add_special_tokens=False)
-        offsets.append(common_prefix_length(ids, rendered.token_ids))
+        offsets.append(common_prefix_len(ids, rendered.token_ids))
     return offsets
 
-
-def common_prefix_length(a: Sequence[Any], b: Sequence[Any]) -> int:
-    """Length of the longest common prefix of two strings or lists (binary search on slices,
-    so the comparisons run in C)."""
-    lo, hi = 0, min(len(a), len(b))
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo

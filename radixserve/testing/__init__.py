@@ -18,7 +18,7 @@ from radixserve.lint.patterns import volatile_kind
 from radixserve.provider_caching.breakpoints import check_breakpoints
 from radixserve.provider_caching.profiles import profile_for_model
 from radixserve.provider_caching.render import render_request
-from radixserve.provider_caching.template import common_prefix_length
+from radixserve.sequences import common_prefix_len
 
 _UUID = re.compile(r"\b[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}\b")
 _NO_USAGE = (
@@ -183,7 +183,7 @@ def _describe_difference(a: list[tuple[str, str]], b: list[tuple[str, str]]) -> 
     (label, left), (other_label, right) = a[index], b[index]
     if label != other_label:
         return f"part {index} is [{label}] in one build and [{other_label}] in the other"
-    at = common_prefix_length(left, right)
+    at = common_prefix_len(left, right)
     kind = volatile_kind(left[max(0, at - 20): at + 40])
     hint = f" (looks like a {kind.replace('_', ' ')})" if kind else ""
     return (f"[{label}] line {left.count(chr(10), 0, at) + 1}, char {at}: "

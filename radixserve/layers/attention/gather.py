@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from radixserve.prefix import common_prefix_len
+from radixserve.sequences import common_prefix_len
 
 # Runs shorter than this are gathered with the scattered slots: slicing a view costs Python
 # time per run and layer, which a short run does not pay back.

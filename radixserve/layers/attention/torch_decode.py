@@ -16,7 +16,7 @@ import torch
 
 from radixserve.layers.attention.base import AttentionBackend, AttentionEnv, LayerKV, SequenceSpan
 from radixserve.layers.attention.gather import GatherPlanner, KVGather, slot_run
-from radixserve.prefix import common_prefix_len
+from radixserve.sequences import common_prefix_len
 
 Rows = slice | torch.Tensor  # a group's rows in the step: a slice when consecutive
 
