@@ -55,7 +55,7 @@ class TierLoad:
 
 
 class KVOffload:
-    """The scheduler's view of the tier (see `KVTier` in scheduler.py)."""
+    """The scheduler's view of the tier (see `KVTier` in tier_loads.py)."""
 
     def __init__(self, store: TierStore, pool: KVPool, block_tokens: int,
                  clock: Callable[[], float]) -> None:

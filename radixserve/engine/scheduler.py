@@ -7,9 +7,10 @@ eviction can free), allocate. When decode runs out of pages the newest request i
 (recompute later); its computed KV stays in the cache so it can hit on the way back in.
 
 With a disk tier (`KVTier`), admission also asks it for the blocks that follow the pool's match:
-the request is then admitted into `loading` (its slots allocated, its match locked) while a
-loader thread copies them in, and joins the running batch once they are there. Other requests'
-steps go on meanwhile. A block that fails to load is simply computed.
+the request is then admitted into `loading` (radixserve/engine/tier_loads.py: its slots
+allocated, its match locked) while a loader thread copies them in, and joins the running batch
+once they are there. Other requests' steps go on meanwhile. A block that fails to load is
+simply computed.
 
 A request that asks for prompt log-probabilities needs the logits of every prompt position, and
 a cached position has none: until it has them all it skips the cache match (computing its whole
@@ -18,22 +19,18 @@ prompt, reporting 0 cached tokens, not counted as a cache query), but publishes 
 
 from __future__ import annotations
 
-import concurrent.futures
-import logging
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from radixserve.cache.base import PrefixCache
 from radixserve.config import DEDUP_MIN_TOKENS, EngineConfig
 from radixserve.engine.kv_pool import OutOfSlots, PageAllocator
 from radixserve.engine.request import Request, RequestStatus
+from radixserve.engine.tier_loads import KVTier, TierLoads
 from radixserve.outputs import FinishReason
 from radixserve.sequences import common_prefix_len
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -64,39 +61,6 @@ class SchedulerOutput:
     @property
     def empty(self) -> bool:
         return not self.decodes and not self.prefills
-
-
-class TierLoadResult(Protocol):
-    end: int  # the request's KV is valid up to here
-    loaded_tokens: int
-    pinned_end: int  # the loaded tokens start a prefix this long under a live pin (0: none)
-    pinned_until: float  # when that pin ends, on the scheduler's clock
-
-
-class TierLoad(Protocol):
-    future: concurrent.futures.Future  # resolves to a TierLoadResult
-
-    def cancel(self) -> None: ...
-
-
-class KVTier(Protocol):
-    """What the scheduler asks of the disk tier (radixserve/engine/kv_offload.py)."""
-
-    def prefetch(self, request: Request, matched: int) -> None:
-        """A hint, when a request arrives, that its blocks past `matched` will be read."""
-        ...
-
-    def start_load(self, request: Request, matched: int) -> TierLoad | None:
-        """Starts loading the blocks past the pool's match into the request's slots."""
-        ...
-
-    def write_through(self, request: Request, end: int) -> None:
-        """The request's first `end` tokens are cached now: queue their new blocks."""
-        ...
-
-    def pin(self, request: Request, end: int, expires_at: float) -> None:
-        """Pins the request's first `end` tokens in the tier (writing what it lacks)."""
-        ...
 
 
 @dataclass
@@ -130,9 +94,7 @@ class Scheduler:
         self.tier = tier if cache.stores_slots else None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.loading: dict[Request, TierLoad] = {}  # admitted, their tier blocks on the way
-        # Slots of requests that ended while loading: the loader may still write them.
-        self._abandoned: list[tuple[list[int], TierLoad]] = []
+        self.loading = TierLoads(self.tier, allocator)  # admitted, their tier blocks on the way
         self.counters = SchedulerCounters()
 
     # ----- queue management -----
@@ -144,7 +106,7 @@ class Scheduler:
             self.tier.prefetch(request, self.cache.match_prefix(request.namespace, lookup).length)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.loading or self._abandoned)
+        return bool(self.waiting or self.running or self.loading.in_flight)
 
     def finish(self, request: Request, reason: FinishReason, keep_kv: bool = True) -> None:
         """Ends a request wherever it is; releases every slot and lock it holds, once.
@@ -157,10 +119,7 @@ class Scheduler:
             self.running.remove(request)
             self._release(request, publish=keep_kv)
         elif request.status is RequestStatus.LOADING:
-            load = self.loading.pop(request)
-            load.cancel()
-            self._abandoned.append((request.slots[request.cache_len :], load))
-            request.slots = request.slots[: request.cache_len]  # the rest waits for the loader
+            self.loading.abandon(request)  # its slots past the cache's wait for the loader
             self._release(request, publish=False)
         else:
             self.waiting.remove(request)
@@ -172,13 +131,10 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         self._collect_loads()
         out = self._plan()
-        if out.empty and (self.loading or self._abandoned):
+        if out.empty and self.loading.in_flight:
             # Nothing to compute until a load lands: wait for one (briefly, so the caller
             # still gets to its inbox) rather than spin.
-            futures = [load.future for load in self.loading.values()]
-            futures += [load.future for _, load in self._abandoned]
-            concurrent.futures.wait(futures, timeout=0.05,
-                                    return_when=concurrent.futures.FIRST_COMPLETED)
+            self.loading.wait(timeout=0.05)
             self._collect_loads()
             out = self._plan()
         return out
@@ -340,22 +296,11 @@ class Scheduler:
         if request.num_cached_tokens is None:  # once per request, as the hit counters count
             self.cache.record_use(match.handle)
         self._apply_pins(request)
-        load = self._start_load(request) if reads_cache else None
-        if load is not None:
+        if reads_cache and self.loading.start(request):
             request.status = RequestStatus.LOADING
-            self.loading[request] = load
             return request
         self._start(request, reads_cache, loaded=0)
         return request
-
-    def _start_load(self, request: Request) -> TierLoad | None:
-        if self.tier is None:
-            return None
-        try:
-            return self.tier.start_load(request, request.num_computed)
-        except Exception:  # the tier is an optimisation: never a reason to fail a request
-            logger.exception("KV tier: cannot start a load for request %s", request.request_id)
-            return None
 
     def _start(self, request: Request, reads_cache: bool, loaded: int) -> None:
         """Moves an admitted request into the running batch; counts its cache hit once."""
@@ -371,15 +316,7 @@ class Scheduler:
 
     def _collect_loads(self) -> None:
         """Starts the requests whose loads landed; frees the slots of abandoned ones."""
-        for request, load in list(self.loading.items()):
-            if not load.future.done():
-                continue
-            del self.loading[request]
-            try:
-                result = load.future.result()
-            except Exception:  # the loader failed: compute everything past the match
-                logger.exception("KV tier load failed for request %s", request.request_id)
-                result = None
+        for request, result in self.loading.landed():
             if result is not None and result.loaded_tokens:
                 request.num_computed = result.end
                 self.publish(request)
@@ -390,14 +327,7 @@ class Scheduler:
                     self.cache.pin(match.handle, result.pinned_until)
             self._start(request, reads_cache=True,
                         loaded=result.loaded_tokens if result is not None else 0)
-        still = []
-        for slots, load in self._abandoned:
-            if load.future.done():
-                if slots:
-                    self.allocator.release(slots)
-            else:
-                still.append((slots, load))
-        self._abandoned = still
+        self.loading.release_abandoned()
 
     # ----- cache bookkeeping -----
 
@@ -465,4 +395,4 @@ class Scheduler:
         """Slots held by requests outside the cache: running, loading, or abandoned mid-load."""
         return (sum(r.num_private_slots for r in self.running)
                 + sum(r.num_private_slots for r in self.loading)
-                + sum(len(slots) for slots, _ in self._abandoned))
+                + self.loading.abandoned_slots())
