@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from radixserve.kernels import layer_ops
-from radixserve.model.llama import RMSNorm, Rotary
+from radixserve.model.forward_batch import Rotary
+from radixserve.model.llama import RMSNorm
 
 ops = layer_ops()
 pytestmark = pytest.mark.skipif(ops is None, reason="the C++ kernels cannot be built here")

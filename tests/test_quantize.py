@@ -16,6 +16,7 @@ from radixserve import LLM
 from radixserve.layers.linear import Linear
 from radixserve.model.loader import load_model_files
 from radixserve.model.quantize import quantize, repack
+from radixserve.model.weights import weight_formats
 
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
@@ -160,7 +161,7 @@ def test_float_models_are_quantized_at_load(float_model, reference_logits, setti
     cfg = llm.engine.model_config
     matrix_weights = sum(p.out_features * p.in_features for p in linears
                          if p is not model.lm_head) + cfg.vocab_size * cfg.hidden_size
-    held = model.weight_formats()
+    held = weight_formats(model)
     assert held.pop("float32") == (2 * cfg.num_layers + 1) * cfg.hidden_size * 4
     assert held == {"Q8_0" if setting == "int8" else "Q4_1":
                     matrix_weights * BYTES_PER_WEIGHT[setting]}

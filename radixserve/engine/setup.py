@@ -22,6 +22,7 @@ from radixserve.model.llama import LlamaModel
 from radixserve.model.loader import load_model_files
 from radixserve.model.quantize import QUANTIZE_TO
 from radixserve.model.tokenizer import ChatTokenizer
+from radixserve.model.weights import build_model, weight_formats
 
 logger = logging.getLogger(__name__)
 
@@ -73,11 +74,9 @@ def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype) -
     files = load_model_files(path, progress=config.show_progress, keep_quantized=keep,
                              quantize_to=quantize_to)
     ops = layer_ops() if device.type == "cpu" else None  # None: PyTorch's norms and rotary
-    with torch.device("meta"):
-        model = LlamaModel(files.config, linear, ops)
-    model.load_hf_weights(files.weights, dtype, progress=config.show_progress)
-    model = model.to(device).eval()
-    formats = model.weight_formats()
+    model = build_model(files.config, files.weights, linear, ops, dtype,
+                        progress=config.show_progress).to(device).eval()
+    formats = weight_formats(model)
     logger.info("loaded %s in %.1f s: %.1f MB of weights held (%s)", path,
                 time.perf_counter() - start, sum(formats.values()) / 1e6,
                 ", ".join(f"{name} {size / 1e6:.1f} MB" for name, size in formats.items()))

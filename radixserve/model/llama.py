@@ -7,30 +7,24 @@ backend (`batch.attention`, planned once per step by the runner), projections ar
 layers whose method decides how they run, and the norms and the rotary embedding use the
 fused `LayerOps` the engine passes in where it runs them (PyTorch's ops otherwise). Where every
 part of a layer has a C++ form, a step's layers run as one C++ call of the same kernels
-(`DecoderStack`), with the same bits.
+(`DecoderStack`), with the same bits. This module is the architecture only: the weights are
+read by radixserve/model/loader.py and put into these modules by radixserve/model/weights.py.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from tqdm import tqdm
 
-from radixserve.layers.attention import LayerKV, StepAttention, StepPlan
-from radixserve.layers.linear import DenseLinear, Linear, LinearMethod, PanelEmbedding
-from radixserve.layers.quantized import (
-    EXECUTED_TYPES,
-    PackedParts,
-    QuantizedEmbedding,
-    QuantizedWeight,
-)
+from radixserve.layers.attention import LayerKV
+from radixserve.layers.linear import DenseLinear, Linear, LinearMethod
 from radixserve.model.config import ModelConfig
-from radixserve.model.decoder_stack import DecoderStack
+from radixserve.model.decoder_stack import DecoderStack, StackLayer
+from radixserve.model.forward_batch import ForwardBatch, Rotary
 
 if TYPE_CHECKING:
     from radixserve.kernels import LayerOps
@@ -38,26 +32,11 @@ if TYPE_CHECKING:
 FUSED_DTYPES = (torch.float32, torch.bfloat16)  # what LayerOps computes
 
 
-@dataclass(frozen=True)
-class ForwardBatch:
-    """One step's tokens and how they attend. Rows [0, D) are decode tokens (one per
-    request), prefill chunks follow; `attention.forward(..., attention_plan)` knows which."""
-
-    input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64
-    # [R] rows of hidden_states' result whose next-token logits are wanted
-    logit_rows: torch.Tensor
-    attention: StepAttention
-    attention_plan: StepPlan
-    # [O] ascending rows whose last-layer output hidden_states returns; None: every row. The
-    # other rows' last layer stops once their K/V is written: nothing reads the rest.
-    output_rows: torch.Tensor | None = None
-
-
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     """Inverse frequencies of the rotary embedding, with the model's scaling applied; on the
     CPU whatever the default device (on the meta device, where a model is built before its
-    weights load, arange goes through torch._refs, which import torch._dynamo: 1.6 s)."""
+    weights load, arange goes through torch._refs, which import torch._dynamo, slowing every
+    start)."""
     dim = config.head_dim
     steps = torch.arange(0, dim, 2, dtype=torch.float64, device="cpu")
     inv = 1.0 / (config.rope_theta ** (steps / dim))
@@ -111,27 +90,6 @@ class RMSNorm(nn.Module):
 
     def _fused(self, x: torch.Tensor) -> bool:
         return self.ops is not None and x.is_cpu and x.dtype in FUSED_DTYPES and x.dim() == 2
-
-
-@dataclass(frozen=True)
-class Rotary:
-    """A step's rotary angles: cos and sin [T, D / 2] in float32."""
-
-    cos: torch.Tensor
-    sin: torch.Tensor
-    # PyTorch's rotation wants them [T, 1, D] in the model's dtype: made once per step.
-    widened: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = field(
-        default_factory=dict, compare=False, repr=False)
-
-    def rotate(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, heads, D] rotated "rotate half" style, in x's dtype (PyTorch's ops)."""
-        if x.dtype not in self.widened:
-            self.widened[x.dtype] = tuple(  # type: ignore[assignment]
-                torch.cat((t, t), dim=-1).unsqueeze(1).to(x.dtype) for t in (self.cos, self.sin))
-        cos, sin = self.widened[x.dtype]
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
 
 
 class Attention(nn.Module):
@@ -196,6 +154,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.mlp = MLP(config, linear, ops)
 
+    def stack_layer(self) -> StackLayer:
+        """This layer's parts as the C++ decoder stack takes them."""
+        return StackLayer(self.self_attn.qkv_proj, self.self_attn.o_proj, self.mlp.gate_up_proj,
+                          self.mlp.down_proj, self.input_layernorm.weight,
+                          self.post_attention_layernorm.weight)
+
 
 class LlamaModel(nn.Module):
     """Embedding, decoder layers, final norm and LM head; see `forward`. Every projection runs
@@ -208,7 +172,7 @@ class LlamaModel(nn.Module):
         self.config = config
         self.linear_method = linear = linear or DenseLinear()
         # With a weight given, nn.Embedding skips its random init, whose normal_ on the meta
-        # device imports torch._dynamo (1.6 s of every start); the loader sets the weight.
+        # device imports torch._dynamo (slowing every start); the loader sets the weight.
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
                                          _weight=torch.empty(config.vocab_size,
                                                              config.hidden_size))
@@ -257,105 +221,3 @@ class LlamaModel(nn.Module):
             residual, x = layer.post_attention_layernorm.add_and_norm(residual, h)
             h = layer.mlp(x)
         return residual if h is None else residual + h
-
-    def load_hf_weights(self, weights: dict[str, torch.Tensor | QuantizedWeight],
-                        dtype: torch.dtype, progress: bool = False) -> None:
-        """Takes HF-named weights, fusing q/k/v and gate/up; casts float ones to `dtype`.
-        `QuantizedWeight`s (GGUF blocks the linear method executes) are packed for the
-        kernel, layer by layer (with a progress bar if asked). Empties `weights`, so that
-        each matrix's blocks are freed once packed: a model's blocks and panels never all
-        exist at once."""
-        cfg = self.config
-        embed = weights["model.embed_tokens.weight"]
-        head = weights.get("lm_head.weight")
-        tied = head is None or cfg.tie_word_embeddings
-        state: dict[str, torch.Tensor | QuantizedWeight | list] = {
-            "embed_tokens.weight": embed,
-            "norm.weight": weights["model.norm.weight"],
-            "lm_head.weight": embed if tied else head,
-        }
-        for i in range(cfg.num_layers):
-            p, ours = f"model.layers.{i}.", f"layers.{i}."
-            state[ours + "input_layernorm.weight"] = weights[p + "input_layernorm.weight"]
-            state[ours + "post_attention_layernorm.weight"] = weights[
-                p + "post_attention_layernorm.weight"
-            ]
-            state[ours + "self_attn.qkv_proj.weight"] = [
-                weights[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]
-            if cfg.attention_bias:
-                state[ours + "self_attn.qkv_proj.bias"] = [
-                    weights[p + f"self_attn.{n}_proj.bias"] for n in "qkv"]
-            state[ours + "self_attn.o_proj.weight"] = weights[p + "self_attn.o_proj.weight"]
-            state[ours + "mlp.gate_up_proj.weight"] = [
-                weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]]
-            state[ours + "mlp.down_proj.weight"] = weights[p + "mlp.down_proj.weight"]
-        weights.clear()
-        floats = self._take_quantized(state, dtype, tied, progress)
-        missing, unexpected = self.load_state_dict(floats, strict=False, assign=True)
-        missing = [m for m in missing if m != "inv_freq"]
-        if missing or unexpected:
-            raise ValueError(f"weight mismatch: missing {missing}, unexpected {unexpected}")
-        self.to(dtype)
-        self.inv_freq = rope_inv_freq(cfg).to(self.norm.weight.device)
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.method.prepare(module)
-        if tied and isinstance(self.embed_tokens, nn.Embedding) and \
-                getattr(self.lm_head, "panels", None) is not None:
-            # The head was repacked into panels (skinny-float): read the table from them
-            # rather than hold it twice.
-            self.embed_tokens = PanelEmbedding(self.lm_head, dtype)
-        self.stack = DecoderStack.build(self, dtype)
-
-    def weight_formats(self) -> dict[str, int]:
-        """Bytes of weights held, by format: GGUF panels by type (a table shared by the
-        embedding and a tied head counted once), float tensors by dtype."""
-        type_names = {type_id: name for name, type_id in EXECUTED_TYPES.items()}
-        held: dict[str, int] = {}
-        tables: dict[int, PackedParts] = {}
-        for module in self.modules():
-            packed = getattr(module, "packed", None)
-            if isinstance(packed, PackedParts):
-                tables[id(packed)] = packed
-        for packed in tables.values():
-            for panels, type_id in zip(packed.panels, packed.types, strict=True):
-                name = type_names[type_id]
-                held[name] = held.get(name, 0) + panels.numel()
-        for tensor in self.parameters():
-            name = str(tensor.dtype).removeprefix("torch.")
-            held[name] = held.get(name, 0) + tensor.numel() * tensor.element_size()
-        return held
-
-    def _take_quantized(self, state: dict[str, Any], dtype: torch.dtype, tied: bool,
-                        progress: bool) -> dict[str, torch.Tensor]:
-        """Hands quantized weights to their layers and returns the float state; fused parts
-        (lists) are concatenated, or kept as quantized parts where all of them are."""
-        floats: dict[str, torch.Tensor] = {}
-        quantized = any(isinstance(p, QuantizedWeight) for value in state.values()
-                        for p in (value if isinstance(value, list) else [value]))
-        for name in tqdm(list(state), desc="Packing weights", unit="tensor",
-                         disable=not (progress and quantized)):
-            value = state.pop(name)  # the only reference left: freed once packed
-            parts = value if isinstance(value, list) else [value]
-            if all(isinstance(p, QuantizedWeight) for p in parts) and name.endswith(".weight"):
-                self._load_quantized(name.removesuffix(".weight"), parts, dtype, tied)
-            elif isinstance(value, torch.Tensor):
-                floats[name] = value  # as it is: a copy would double a large model's peak
-            else:  # a fused float (or float and quantized) projection or bias
-                floats[name] = torch.cat([
-                    p.dequantize() if isinstance(p, QuantizedWeight) else p for p in parts])
-        return floats
-
-    def _load_quantized(self, module: str, parts: list[QuantizedWeight], dtype: torch.dtype,
-                        tied: bool) -> None:
-        if module == "embed_tokens":
-            table = parts[0]
-            if (table.rows, table.cols) != (self.config.vocab_size, self.config.hidden_size):
-                raise ValueError(f"token embedding {table.rows}x{table.cols} does not match the "
-                                 f"model's vocabulary x hidden size {self.config.vocab_size}x"
-                                 f"{self.config.hidden_size}")
-            self.embed_tokens = QuantizedEmbedding(table, dtype)
-        elif module == "lm_head" and tied and isinstance(self.embed_tokens, QuantizedEmbedding):
-            self.lm_head.share_packed(self.embed_tokens.packed)  # one copy of a tied table
-        else:
-            self.get_submodule(module).load_quantized(parts)
