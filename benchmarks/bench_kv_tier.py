@@ -36,9 +36,10 @@ from timing import cpu_summary
 from radixserve import SamplingParams
 from radixserve.config import EngineConfig
 from radixserve.engine.engine import LLMEngine
-from radixserve.kv_tier.blocks import ModelFingerprint, chain_keys, namespace_text
+from radixserve.kv_tier.blocks import ModelFingerprint, chain_keys
 from radixserve.kv_tier.entry import EntryHeader, write_entry
 from radixserve.kv_tier.store import TierStore
+from radixserve.sequences import namespace_bytes
 
 SCENARIOS = ("working_set", "restart", "load_speed", "writer_overhead", "index_rebuild")
 
@@ -398,7 +399,7 @@ def index_rebuild(args: argparse.Namespace, s: Sizes) -> dict[str, Any]:
                                    num_kv_heads=1, head_dim=8, page_size=1, block_tokens=4)
     payload = memoryview(torch.zeros(shape).view(torch.uint8).numpy()).cast("B")
     tokens = _tokens(random.Random(args.seed + 3), s.index_blocks * 4)
-    namespace = namespace_text(None)
+    namespace = namespace_bytes(None)
     keys = chain_keys(fingerprint.digest, namespace, tokens, 4)
     report: dict[str, Any] = {"blocks": s.index_blocks}
     with _temp_dir(args, "index") as root:
@@ -412,7 +413,7 @@ def index_rebuild(args: argparse.Namespace, s: Sizes) -> dict[str, Any]:
                 os.makedirs(folder, exist_ok=True)
                 made.add(folder)
             header = EntryHeader(key=key.hex(), parent=(keys[j - 1] if j else fingerprint.digest)
-                                 .hex(), fingerprint=fingerprint.name, namespace=namespace,
+                                 .hex(), fingerprint=fingerprint.name, namespace=namespace.decode(),
                                  start=4 * j, tokens=tuple(tokens[4 * j : 4 * j + 4]),
                                  dtype="float32", shape=shape, created=time.time())
             write_entry(path, header, payload)

@@ -5,7 +5,8 @@ the package may import this module, and it imports nothing of the package.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 
@@ -22,3 +23,23 @@ def common_prefix_len(a: Sequence[Any], b: Sequence[Any], start: int = 0,
         else:
             hi = mid - 1
     return lo
+
+
+def namespace_bytes(namespace: Hashable) -> bytes:
+    """The canonical bytes of a cache namespace, the same in every process and on every
+    machine: b"" for None (the shared cache); for a cache_salt string, an int, or a tuple of
+    those (nested or not), its compact JSON (tuples as arrays), UTF-8 encoded. The disk
+    tier's keys and the KV events' block hashes both start from these bytes. TypeError for
+    any other value: it has no form that stays the same across processes."""
+    if not _plain(namespace):
+        raise TypeError(f"namespace {namespace!r} has no stable text form")
+    if namespace is None:
+        return b""
+    value = list(namespace) if isinstance(namespace, tuple) else namespace
+    return json.dumps(value, separators=(",", ":")).encode()
+
+
+def _plain(value: object) -> bool:
+    if value is None or isinstance(value, (str, int)):
+        return True
+    return isinstance(value, tuple) and all(_plain(v) for v in value)

@@ -37,9 +37,9 @@ from radixserve.kv_events import (
     block_hashes,
     decode_batch,
     encode_batch,
-    namespace_bytes,
 )
 from radixserve.kv_events.publisher import END_SEQ
+from radixserve.sequences import namespace_bytes
 
 NAMESPACES: list[Hashable] = [None, "", "salt", ("salt",), ("tenant", "ab12", None),
                               ("tenant", "ab12", "salt")]

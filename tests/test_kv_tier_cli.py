@@ -46,7 +46,7 @@ class Tier:
 
 
 def _write(store: TierStore, namespace: str, tokens: list[int]) -> list[bytes]:
-    keys = chain_keys(store.fingerprint.digest, namespace, tokens, BLOCK_TOKENS)
+    keys = chain_keys(store.fingerprint.digest, namespace.encode(), tokens, BLOCK_TOKENS)
     for i, key in enumerate(keys):
         parent = keys[i - 1] if i else store.fingerprint.digest
         header = EntryHeader(key=key.hex(), parent=parent.hex(), fingerprint=store.fingerprint_hex,

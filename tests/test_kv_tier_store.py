@@ -27,9 +27,10 @@ import numpy as np
 import pytest
 import xxhash
 
-from radixserve.kv_tier.blocks import ModelFingerprint, chain_keys, namespace_text
+from radixserve.kv_tier.blocks import ModelFingerprint, chain_keys
 from radixserve.kv_tier.entry import ERROR_KINDS, EntryError, EntryHeader
 from radixserve.kv_tier.store import TierStore
+from radixserve.sequences import namespace_bytes
 
 FINGERPRINT = ModelFingerprint(
     weights="0123456789abcdef0123456789abcdef", dtype="float32", quantization="none",
@@ -77,10 +78,10 @@ def make_blocks(count: int, seed: int, shape: tuple[int, ...] = SHAPE,
     blocks = []
     for _ in range(count):
         tokens = [int(t) for t in rng.integers(100_000, 150_000, block_tokens)]  # 6 digits
-        (key,) = chain_keys(fingerprint.digest, namespace_text(None), tokens, block_tokens)
+        (key,) = chain_keys(fingerprint.digest, namespace_bytes(None), tokens, block_tokens)
         header = EntryHeader(
             key=key.hex(), parent=fingerprint.digest.hex(), fingerprint=fingerprint.name,
-            namespace=namespace_text(None), start=0, tokens=tuple(tokens), dtype="float32",
+            namespace=namespace_bytes(None).decode(), start=0, tokens=tuple(tokens), dtype="float32",
             shape=shape, created=1.0e9,
         )
         payload = rng.standard_normal(shape, dtype=np.float32).tobytes()
@@ -146,10 +147,10 @@ def steady_entries(root: Path, capacity_bytes: int, open_store) -> int:
 # ----- keys -----
 
 
-def documented_keys(fingerprint: bytes, namespace: str, tokens: list[int],
+def documented_keys(fingerprint: bytes, namespace: bytes, tokens: list[int],
                     block_tokens: int) -> list[bytes]:
     """blocks.py's docstring, followed to the letter: what an outside consumer computes."""
-    keys, previous, ns = [], fingerprint, namespace.encode()
+    keys, previous, ns = [], fingerprint, namespace
     for start in range(0, len(tokens) - block_tokens + 1, block_tokens):
         data = previous + len(ns).to_bytes(4, "little") + ns
         data += b"".join(t.to_bytes(4, "little") for t in tokens[start : start + block_tokens])
@@ -160,9 +161,10 @@ def documented_keys(fingerprint: bytes, namespace: str, tokens: list[int],
 
 _KEYS_SCRIPT = """
 import json
-from radixserve.kv_tier.blocks import ModelFingerprint, chain_keys, namespace_text
+from radixserve.kv_tier.blocks import ModelFingerprint, chain_keys
+from radixserve.sequences import namespace_bytes
 fingerprint = ModelFingerprint(**json.loads({fields!r}))
-keys = chain_keys(fingerprint.digest, namespace_text(("tenant", None)), list(range(40)), 4)
+keys = chain_keys(fingerprint.digest, namespace_bytes(("tenant", None)), list(range(40)), 4)
 print(json.dumps({{"keys": [k.hex() for k in keys], "hash": hash("tenant")}}))
 """
 
@@ -174,7 +176,7 @@ def test_keys_are_the_same_in_every_process_and_follow_the_documented_formula() 
             for seed in ("1", "2")]
     outputs = [json.loads(run.communicate(timeout=60)[0]) for run in runs]
     assert outputs[0]["hash"] != outputs[1]["hash"]  # the seeds did change Python's hash()
-    ns = namespace_text(("tenant", None))
+    ns = namespace_bytes(("tenant", None))
     keys = [k.hex() for k in chain_keys(FINGERPRINT.digest, ns, list(range(40)), 4)]
     assert len(keys) == 10
     assert outputs[0]["keys"] == outputs[1]["keys"] == keys
@@ -184,10 +186,10 @@ def test_keys_are_the_same_in_every_process_and_follow_the_documented_formula() 
 def test_keys_differ_by_namespace_fingerprint_and_every_token() -> None:
     tokens = list(range(1000, 1012))  # three blocks
     digest = FINGERPRINT.digest
-    base = chain_keys(digest, "None", tokens, 4)
+    base = chain_keys(digest, b"None", tokens, 4)
 
     namespaces = [None, "None", "a", ("a",), ("a", None), ("a", "b"), 0, ""]
-    first_keys = {chain_keys(digest, namespace_text(ns), tokens, 4)[0] for ns in namespaces}
+    first_keys = {chain_keys(digest, namespace_bytes(ns), tokens, 4)[0] for ns in namespaces}
     assert len(first_keys) == len(namespaces)
 
     # Any one field of the fingerprint changes every key.
@@ -199,14 +201,14 @@ def test_keys_differ_by_namespace_fingerprint_and_every_token() -> None:
     for name, value in changed.items():
         other = dataclasses.replace(FINGERPRINT, **{name: value})
         assert other.name != FINGERPRINT.name, name
-        keys = chain_keys(other.digest, "None", tokens, 4)
+        keys = chain_keys(other.digest, b"None", tokens, 4)
         assert all(a != b for a, b in zip(keys, base, strict=True)), name
 
     # A token changes its block's key and every later one, never an earlier one.
     for position in range(len(tokens)):
         edited = list(tokens)
         edited[position] += 1
-        keys = chain_keys(digest, "None", edited, 4)
+        keys = chain_keys(digest, b"None", edited, 4)
         block = position // 4
         assert keys[:block] == base[:block]
         assert all(a != b for a, b in zip(keys[block:], base[block:], strict=True))
@@ -215,22 +217,23 @@ def test_keys_differ_by_namespace_fingerprint_and_every_token() -> None:
 def test_parents_are_extended_not_recomputed() -> None:
     tokens = list(range(500, 518))  # four full blocks and two tokens
     digest = FINGERPRINT.digest
-    whole = chain_keys(digest, "None", tokens, 4)
+    whole = chain_keys(digest, b"None", tokens, 4)
     assert len(whole) == 4  # the partial block has no key
     for known in range(5):
-        assert chain_keys(digest, "None", tokens, 4, parents=whole[:known]) == whole
+        assert chain_keys(digest, b"None", tokens, 4, parents=whole[:known]) == whole
     fake = [b"\x01" * 16]
-    extended = chain_keys(digest, "None", tokens, 4, parents=fake)
+    extended = chain_keys(digest, b"None", tokens, 4, parents=fake)
     assert extended[0] == fake[0] and extended[1] != whole[1]
 
 
-def test_namespace_text_is_repr_of_plain_values_and_refuses_the_rest() -> None:
-    for namespace in (None, "salt", 7, ("tenant", None, ("nested", 3)), ()):
-        assert namespace_text(namespace) == repr(namespace)
+def test_namespace_bytes_are_compact_json_of_plain_values_and_refuse_the_rest() -> None:
+    assert namespace_bytes(None) == b""  # the shared namespace, as KV events spell it
+    for namespace in ("salt", 7, ("tenant", None, ("nested", 3)), ()):
+        assert namespace_bytes(namespace) == json.dumps(namespace, separators=(",", ":")).encode()
     for unstable in (object(), frozenset({"a", "b"}), ("tenant", object()), ["a"], b"salt",
                      1.5):
         with pytest.raises(TypeError, match="stable text"):
-            namespace_text(unstable)
+            namespace_bytes(unstable)
 
 
 # ----- writing, reading, restarting -----

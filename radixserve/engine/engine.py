@@ -35,10 +35,11 @@ from radixserve.engine.setup import (
 )
 from radixserve.engine.structured_output import GrammarCompiler
 from radixserve.kernels.cpu import describe as describe_cpu
-from radixserve.kv_tier.blocks import ModelFingerprint, namespace_text, weights_identity
+from radixserve.kv_tier.blocks import ModelFingerprint, weights_identity
 from radixserve.kv_tier.store import TierStore
 from radixserve.outputs import RequestOutput
 from radixserve.sampling_params import SamplingParams
+from radixserve.sequences import namespace_bytes
 
 if TYPE_CHECKING:  # imported only when events are on: pyzmq is needed for nothing else
     from radixserve.kv_events import KVEventPublisher, KVEventRecorder
@@ -194,7 +195,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         if self.offload is not None:
             try:
-                namespace_text(namespace)  # the tier keys entries by it
+                namespace_bytes(namespace)  # the tier keys entries by it
             except TypeError as exc:
                 raise ValueError(str(exc)) from exc
         text = prompt if isinstance(prompt, str) else None

@@ -24,9 +24,10 @@ import torch
 
 from radixserve.engine.kv_pool import KVPool
 from radixserve.engine.request import Request
-from radixserve.kv_tier.blocks import chain_keys, namespace_text
+from radixserve.kv_tier.blocks import chain_keys
 from radixserve.kv_tier.entry import EntryError, EntryHeader
 from radixserve.kv_tier.store import TierStore
+from radixserve.sequences import namespace_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +89,7 @@ class KVOffload:
         if len(have) < blocks:
             # The engine's namespace is (model, tenant): the model is in the fingerprint.
             request.tier_keys = have = chain_keys(
-                self._fingerprint, namespace_text(request.namespace[1]),
+                self._fingerprint, namespace_bytes(request.namespace[1]),
                 request.token_ids[: blocks * self.block_tokens], self.block_tokens, have)
         return have[:blocks]
 
@@ -133,7 +134,7 @@ class KVOffload:
                 key=keys[j].hex(),
                 parent=(keys[j - 1] if j else self._fingerprint).hex(),
                 fingerprint=self.store.fingerprint_hex,
-                namespace=namespace_text(request.namespace[1]),
+                namespace=namespace_bytes(request.namespace[1]).decode(),
                 start=j * size,
                 tokens=tuple(request.token_ids[j * size : (j + 1) * size]),
                 dtype=str(self.dtype).removeprefix("torch."),

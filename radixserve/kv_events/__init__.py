@@ -8,7 +8,7 @@ a `KVEventPublisher`. Router side: a `KVEventSubscriber` per replica feeds a `Bl
 hash, `events.py` the wire schema, `publisher.py` the framing and replay.
 """
 
-from radixserve.kv_events.blocks import block_hashes, namespace_bytes, namespace_root
+from radixserve.kv_events.blocks import block_hashes, namespace_root
 from radixserve.kv_events.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -36,6 +36,5 @@ __all__ = [
     "block_hashes",
     "decode_batch",
     "encode_batch",
-    "namespace_bytes",
     "namespace_root",
 ]

@@ -11,6 +11,7 @@ The recipe, for an outside consumer:
                         = json.dumps(ns, separators=(",", ":"))     if ns is a str (cache_salt)
                         = json.dumps(list(ns), separators=(",", ":"))  if ns is a tuple
                           (e.g. ["tenant","<hex>",null] for an isolated API key), UTF-8 encoded
+                          (radixserve/sequences.py; the disk tier's keys start from it too)
     root(ns)  = int.from_bytes(BLAKE2b(b"radixserve-kv-events-v1" + namespace_bytes(ns),
                                        digest_size=8), "big")
     h_0       = int.from_bytes(BLAKE2b(u64_be(root(ns)) + tokens_0, digest_size=8), "big")
@@ -25,26 +26,18 @@ end in one namespace: tenants never share a hash, and nothing depends on PYTHONH
 from __future__ import annotations
 
 import hashlib
-import json
 import struct
 import sys
 from array import array
 from collections.abc import Hashable, Sequence
+
+from radixserve.sequences import namespace_bytes
 
 HASH_DOMAIN = b"radixserve-kv-events-v1"
 
 # array("I") is the C unsigned int: 4 bytes on every platform CPython supports; checked once.
 if array("I").itemsize != 4:  # pragma: no cover - no such platform in practice
     raise ImportError("radixserve.kv_events needs a 4-byte C unsigned int")
-
-
-def namespace_bytes(namespace: Hashable) -> bytes:
-    """The canonical bytes of a cache namespace (None, a cache_salt, or a tuple of plain values);
-    see the module docstring. TypeError for a namespace JSON cannot spell."""
-    if namespace is None:
-        return b""
-    value = list(namespace) if isinstance(namespace, tuple) else namespace
-    return json.dumps(value, separators=(",", ":")).encode()
 
 
 def namespace_root(namespace: Hashable) -> int:

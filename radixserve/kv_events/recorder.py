@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
 
-from radixserve.kv_events.blocks import block_hashes, namespace_bytes
+from radixserve.kv_events.blocks import block_hashes
 from radixserve.kv_events.events import (
     MEDIA,
     AllBlocksCleared,
@@ -21,6 +21,7 @@ from radixserve.kv_events.events import (
     BlockStored,
     KVCacheEvent,
 )
+from radixserve.sequences import namespace_bytes
 
 
 class KVEventRecorder:

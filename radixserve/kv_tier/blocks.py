@@ -9,7 +9,8 @@ seeded per process, which gave LMCache's caches zero hits after every restart).
 How an outside consumer computes the same keys (all integers little-endian):
     key(0 - 1) = fingerprint digest (16 bytes)
     key(i)     = BLAKE2b-128(key(i-1) || u32(len(ns)) || ns || u32 token ids of block i)
-where `ns` is the namespace text (UTF-8) described by `namespace_text`.
+where `ns` is the namespace's canonical bytes, `namespace_bytes` in radixserve/sequences.py (the
+KV events' spelling: b"" for the shared namespace, compact JSON otherwise).
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ import hashlib
 import json
 import os
 import struct
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 # Bump when the file format or the KV layout in it changes: older entries are then foreign.
-KV_LAYOUT_VERSION = 2  # 2: XXH3-64 checksums (1: CRC-32)
+KV_LAYOUT_VERSION = 3  # 3: keys hash the namespace's JSON bytes (2: its repr; XXH3-64
+# checksums since 2, CRC-32 in 1)
 KEY_BYTES = 16
 _SAMPLES = 16  # pieces of a weights file read for its identity
 _SAMPLE_BYTES = 64 * 1024
@@ -82,26 +84,12 @@ def weights_identity(path: str) -> str:
     return digest.hexdigest()
 
 
-def namespace_text(namespace: Hashable) -> str:
-    """A tenant namespace (None, a cache_salt, or a tuple of those) as stable text: `repr` of
-    strings, None and tuples of them is the same in every process."""
-    if not _plain(namespace):
-        raise TypeError(f"namespace {namespace!r} has no stable text form")
-    return repr(namespace)
-
-
-def _plain(value: object) -> bool:
-    if value is None or isinstance(value, (str, int)):
-        return True
-    return isinstance(value, tuple) and all(_plain(v) for v in value)
-
-
-def chain_keys(fingerprint: bytes, namespace: str, tokens: Sequence[int], block_tokens: int,
+def chain_keys(fingerprint: bytes, namespace: bytes, tokens: Sequence[int], block_tokens: int,
                parents: Sequence[bytes] = ()) -> list[bytes]:
-    """Keys of the full blocks of `tokens`; `parents` are keys already computed for its first
-    blocks (they are extended, not recomputed)."""
-    ns = namespace.encode()
-    ns_part = struct.pack("<I", len(ns)) + ns
+    """Keys of the full blocks of `tokens` in the namespace of those bytes (see the module
+    docstring); `parents` are keys already computed for its first blocks (they are extended,
+    not recomputed)."""
+    ns_part = struct.pack("<I", len(namespace)) + namespace
     keys = list(parents)
     previous = keys[-1] if keys else fingerprint
     for start in range(len(keys) * block_tokens, len(tokens) - block_tokens + 1, block_tokens):

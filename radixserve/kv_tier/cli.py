@@ -36,7 +36,7 @@ examples:
   radixserve cache info /var/cache/kv
   radixserve cache info /var/cache/kv --json
   radixserve cache clear /var/cache/kv --fingerprint 3f2a --keep-pinned
-  radixserve cache clear /var/cache/kv --namespace "'salt-a'"
+  radixserve cache clear /var/cache/kv --namespace '"salt-a"'
   radixserve cache clear /var/cache/kv --expired-only
 """
 
@@ -81,9 +81,9 @@ def register(subparsers: Any) -> None:
                             "as `cache info` prints it); exit status 1 if none does")
     clear.add_argument("--namespace", metavar="TEXT", default=None,
                        help="only entries whose header namespace is exactly TEXT, as `cache "
-                            "info` prints it: None, 'salt-a' (quotes included), or "
-                            "('tenant', '<hash>', None); bad entries, stray pins and temporary "
-                            "files are then left alone")
+                            "info` prints it: '' (the shared namespace), '\"salt-a\"' (quotes "
+                            "included), or '[\"tenant\",\"<hash>\",null]'; bad entries, stray "
+                            "pins and temporary files are then left alone")
     pins = clear.add_mutually_exclusive_group()
     pins.add_argument("--keep-pinned", action="store_true",
                       help="leave entries whose pin has not expired (with their pin files); "
