@@ -9,8 +9,8 @@ regions from the same thread. GNU OpenMP (PyTorch's) keeps a team of worker thre
 thread that has run a parallel region; once a process holds more of those threads than it
 has cores, every team's workers sleep at a barrier almost at once instead of spinning, and
 each of the hundreds of parallel regions in a step then waits for a wake-up. A model loaded
-on the main thread and stepped on this one made batch-1 decode through the server 1.4-1.8x
-slower.
+on the main thread and stepped on this one made batch-1 decode through the server markedly
+slower (benchmarks/bench_http.py --concurrency 1 measures it).
 """
 
 from __future__ import annotations

@@ -22,8 +22,8 @@ class PageAllocator:
     """Free pages as a bitmap; allocation is first-fit and prefers one contiguous run.
 
     Contiguity is what makes attention cheap: a prompt whose slots form one run can be read
-    by decode attention as a view of the pool, with no gather (a 1,500-token context gathered
-    every step cost more than the model's matmuls). So an allocation of n pages takes the
+    by decode attention as a view of the pool, with no gather (gathering a long context every
+    step can cost more than the model's matmuls; benchmarks/bench_decode_attention.py). So an allocation of n pages takes the
     lowest run of n free pages when one exists (one C-speed scan of the bitmap) and otherwise
     the lowest free pages in order, which still leaves them sorted into as few runs as the
     pool's fragmentation allows.
@@ -109,10 +109,10 @@ class KVPool:
         self.num_slots = num_pages * page_size
         shape = (num_kv_heads, self.num_slots, head_dim)
         # Not zeroed: a slot is written before attention reads it (a row reads only positions
-        # its sequence has computed). Zeroing made the whole pool resident at start (0.9 s for
-        # the 2.4 GB pool of a 1B model serving 16 x 2,300 tokens, measured). The exception is
-        # slot 0, which the PyTorch decode backend reads as padding: masked, its weight is 0,
-        # but 0 times a NaN left in fresh (GPU) memory would still be NaN.
+        # its sequence has computed). Zeroing made the whole pool resident at start, a cost that
+        # grows with the pool. The exception is slot 0, which the PyTorch decode backend reads
+        # as padding: masked, its weight is 0, but 0 times a NaN left in fresh (GPU) memory
+        # would still be NaN.
         self.layers = [LayerKV(torch.empty(shape, dtype=dtype, device=device),
                                torch.empty(shape, dtype=dtype, device=device))
                        for _ in range(num_layers)]

@@ -83,8 +83,8 @@ def _argmax(logits: torch.Tensor, op: Callable[[torch.Tensor], torch.Tensor] | N
 def _draw(logits: torch.Tensor, rows: list[SampleRow]) -> list[int]:
     """One token per row of `logits` by inverse transform: one uniform number from the row's
     generator, found in the cumulative distribution. Why not torch.multinomial: it draws a
-    random number per vocabulary entry, 1.7 ms a row for a 49k vocabulary (63 ms a step at
-    32 users, measured); this is one draw a row, the rows batched."""
+    random number per vocabulary entry, for every row; this is one draw a row, the rows
+    batched (benchmarks/bench_sampler.py times the two side by side)."""
     temperatures = [row.params.temperature for row in rows]
     scaled = logits if all(t == 1.0 for t in temperatures) else (
         logits / torch.tensor(temperatures).unsqueeze(1))
@@ -95,7 +95,7 @@ def _draw(logits: torch.Tensor, rows: list[SampleRow]) -> list[int]:
                 scaled = logits.clone()  # the caller's logits stay untouched
             scaled[j] = _filter_top_k_top_p(scaled[j], p.top_k, p.top_p)
     # Summed in float64: 49k float32 partial sums would drift by more than small
-    # probabilities. (The softmax itself stays float32: in float64 it took 16 ms for 32 rows.)
+    # probabilities. (The softmax itself stays float32: in float64 it is much slower.)
     cdf = torch.softmax(scaled, dim=-1).double().cumsum_(-1)
     uniform = torch.cat([torch.rand(1, dtype=torch.float64, generator=row.generator)
                          for row in rows])
@@ -108,7 +108,8 @@ def _draw(logits: torch.Tensor, rows: list[SampleRow]) -> list[int]:
 @dataclass(frozen=True)
 class SamplerKernels:
     """The C++ ops sampling uses where they are built (radixserve/kernels/layer_ops.cpp), each
-    a few times faster than the PyTorch ops it replaces; None: PyTorch's."""
+    faster than the PyTorch ops it replaces (benchmarks/bench_structured_output.py times the
+    masks); None: PyTorch's."""
 
     # Applies grammar bitmasks to logits rows in one pass (kernels.token_bitmask_op).
     mask: Callable[..., None] | None = None

@@ -103,7 +103,7 @@ class GrammarCompiler:
         self.compiles = 0  # grammars compiled (cache misses), for tests and benchmarks
 
     def _tokenizer_for_engine(self) -> Any:
-        # Built on first use (about 0.5 s for a 49k vocabulary), never for servers that get no
+        # Built on first use (it reads the whole vocabulary), never for servers that get no
         # constrained request.
         if self._ll_tokenizer is None:
             from llguidance import LLTokenizer

@@ -3,9 +3,9 @@ and file blocks of a format the kernels do not execute rewritten into one they d
 
 Vectorised numpy over chunks of rows, so each chunk's temporaries stay in cache, on as many
 threads as torch uses (numpy's ufuncs release the GIL): a 1B-parameter model quantizes in
-seconds. The round-to-nearest quantizers (Q8_0,
-Q4_1) write the bytes `gguf.quants.quantize` writes, which are ggml's `quantize_row_*_ref`. What each rewrite costs in accuracy is stated at REPACKED_TYPES
-(radixserve/layers/quantized.py).
+seconds. The round-to-nearest quantizers (Q8_0, Q4_1) write the bytes `gguf.quants.quantize`
+writes, which are ggml's `quantize_row_*_ref`. What each rewrite costs in accuracy is stated at
+REPACKED_TYPES (radixserve/layers/quantized.py).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 # no format meets its own grid; table at Q8_0) against that float model, RMS difference
 # over the logits' spread on 6 prompts: 0.79 / 1.16 / 0.94 (Q4_K where a row is a multiple
 # of 256, Q4_1 elsewhere), top-1 token agreeing on 4 / 1 / 4. Q4_1 wins on logits, its kernel
-# prefills 1.3x faster than Q4_K's on AVX2 (BENCHMARKS.md) and decodes as fast, it takes any
+# prefills faster than Q4_K's (benchmarks/bench_quant_matmul.py) and decodes as fast, it takes any
 # row that is a multiple of 32, and gguf-py checks it bit for bit. The table at Q4_1 rather
 # than Q8_0 measured 0.83 against 0.79, the same top-1 tokens: one format for every matrix.
 QUANTIZE_TO = {"int8": "Q8_0", "int4": "Q4_1"}
@@ -88,7 +88,7 @@ def _run_chunks(work: Callable[[int], None], starts: Iterable[int]) -> None:
 
 def _float32(rows: torch.Tensor) -> np.ndarray:
     """A chunk of rows as float32, widened in numpy: torch's own cast wakes its thread pool
-    for every small chunk, which costs more than the cast (10x on 2 busy cores)."""
+    for every small chunk, which on busy cores costs more than the cast itself."""
     if rows.dtype == torch.float32:
         return rows.numpy()
     if rows.dtype == torch.bfloat16:  # the top half of a float32
