@@ -38,7 +38,7 @@ from radixserve.server.settings import (
     METRICS_COMPAT_MODES,
     ServerSettings,
 )
-from radixserve.server.tool_parsers import PARSERS
+from radixserve.server.tool_calls.parsers import PARSERS
 
 if TYPE_CHECKING:  # imported when serving only, so that `radixserve --help` stays fast
     from fastapi import FastAPI
