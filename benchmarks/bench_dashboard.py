@@ -34,8 +34,8 @@ from radixserve.engine.async_engine import AsyncEngine
 from radixserve.engine.engine import LLMEngine
 from radixserve.engine.kv_pool import PageAllocator
 from radixserve.server.app import create_app
-from radixserve.server.metrics import take_snapshot
-from radixserve.server.stats_routes import TREE_NODES_SHOWN, TREE_NODES_VISITED
+from radixserve.server.observability.metrics import take_snapshot
+from radixserve.server.observability.stats_routes import TREE_NODES_SHOWN, TREE_NODES_VISITED
 
 VOCAB = 49_152
 

@@ -8,8 +8,8 @@ import sys
 
 # Sub-commands live in their own packages; each offers `register(subparsers)` which adds its
 # parser and sets `func` to a callable taking the parsed args and returning an exit status.
-_SUBCOMMAND_MODULES = ("radixserve.server.cli", "radixserve.bench.cli", "radixserve.lint.cli",
-                       "radixserve.kv_tier.cli", "radixserve.server.top")
+_SUBCOMMAND_MODULES = ("radixserve.serve", "radixserve.bench.cli", "radixserve.lint.cli",
+                       "radixserve.kv_tier.cli", "radixserve.top")
 
 
 def _model_pull(args: argparse.Namespace) -> int:

@@ -20,8 +20,8 @@ from radixserve.bench.textgen import WordBank
 from radixserve.model.loader import load_tokenizer
 from radixserve.model.tokenizer import ChatTokenizer
 from radixserve.provider_caching import chat_prompt, render_prompt, render_request
-from radixserve.server.anthropic_messages import _StreamBlocks
-from radixserve.server.tool_use import CallReading
+from radixserve.server.anthropic.messages import StreamBlocks
+from radixserve.server.tool_calls.tools import CallReading
 from radixserve.testing.server import ServerProcess, read_metrics
 from tests.conftest import running_server
 
@@ -139,7 +139,7 @@ def test_sse_event_sequence(server: ServerProcess) -> None:
 def _block_events(text: str, incremental: bool) -> list[dict[str, Any]]:
     """The events of `text` streamed a character at a time through a message's blocks, with
     the closing content_block_stop."""
-    blocks = _StreamBlocks(CallReading("hermes", None, incremental, lambda call: True))
+    blocks = StreamBlocks(CallReading("hermes", None, incremental, lambda call: True))
     frames = b"".join(b"".join(blocks.events(text[:end], end == len(text)))
                       for end in range(1, len(text) + 1))
     events = [json.loads(frame.split(b"data: ", 1)[1]) for frame in frames.split(b"\n\n")

@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from radixserve.sampling_params import SamplingParams
-from radixserve.server.cache_stats import CacheStatsBook, namespace_label
+from radixserve.server.observability.cache_stats import CacheStatsBook, namespace_label
 from radixserve.server.serving import Job, JobEnd
 from radixserve.testing.server import ServerProcess, read_metrics
 from tests.conftest import running_server

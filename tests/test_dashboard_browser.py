@@ -16,7 +16,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from radixserve.server.dashboard import install_dashboard
+from radixserve.server.observability.dashboard import install_dashboard
 from radixserve.testing.server import ServerProcess, wait_idle
 from tests.conftest import running_server
 

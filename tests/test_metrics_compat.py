@@ -15,8 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from radixserve.bench.server_metrics import parse_counters
 from radixserve.server.app import create_app
-from radixserve.server.metrics import PREFIX, ServerMetrics
-from radixserve.server.metrics_compat import VLLM_NAMES, VLLM_PREFIX
+from radixserve.server.observability.metrics import PREFIX, ServerMetrics
+from radixserve.server.observability.metrics_compat import VLLM_NAMES, VLLM_PREFIX
 from radixserve.testing.server import ServerProcess
 from tests.conftest import running_server
 from tests.test_server_app import _IdleEngine

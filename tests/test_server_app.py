@@ -17,7 +17,7 @@ from radixserve.server.app import create_app
 from radixserve.server.auth import cache_namespace
 from radixserve.server.errors import APIError
 from radixserve.server.exchange import partial_stop_len
-from radixserve.server.openai_protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from radixserve.server.openai.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from radixserve.server.prompts import TOOLS_PREAMBLE, message_dicts, render_chat
 from radixserve.server.settings import ServerSettings
 from radixserve.server.transport import parse_body

@@ -16,7 +16,7 @@ import pytest
 from radixserve.bench.textgen import WordBank
 from radixserve.model.loader import load_tokenizer
 from radixserve.model.tokenizer import ChatTokenizer
-from radixserve.server.openai_protocol import IGNORED_FIELDS
+from radixserve.server.openai.protocol import IGNORED_FIELDS
 from radixserve.testing.server import ServerProcess, read_metrics, wait_idle
 from tests.conftest import running_server
 

@@ -17,7 +17,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from radixserve.server.anthropic_messages import THINKING_HEADER
+from radixserve.server.anthropic.messages import THINKING_HEADER
 from radixserve.testing.server import ServerProcess
 
 MODEL = "SmolLM2-135M-Instruct"

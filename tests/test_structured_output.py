@@ -16,8 +16,8 @@ from radixserve.engine.sampler import SamplerKernels, allowed_tokens, sample
 from radixserve.engine.sampling_rows import SampleRow
 from radixserve.kernels import token_bitmask_op
 from radixserve.sampling_params import SamplingParams, StructuredOutputsParams
-from radixserve.server.tool_parsers import ToolCall
-from radixserve.server.tool_use import ToolSpec, call_check
+from radixserve.server.tool_calls.parsers import ToolCall
+from radixserve.server.tool_calls.tools import ToolSpec, call_check
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 12},

@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from radixserve.server.tool_parsers import (
+from radixserve.server.tool_calls.parsers import (
     PARSERS,
     ParsedOutput,
     StreamUpdate,
@@ -21,7 +21,7 @@ from radixserve.server.tool_parsers import (
     family_for_template,
     parse_tool_calls,
 )
-from radixserve.server.tool_use import CallReading
+from radixserve.server.tool_calls.tools import CallReading
 
 WEATHER = ToolCall("get_weather", '{"city": "Paris"}')
 TIME = ToolCall("get_time", '{"zone": "Europe/Paris"}')

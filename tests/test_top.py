@@ -14,8 +14,8 @@ from typing import Any
 import openai
 import pytest
 
-from radixserve.server.top import escape, render_frame
 from radixserve.testing.server import ServerProcess, free_port
+from radixserve.top import escape, render_frame
 from tests.conftest import running_server
 
 NOW = 1_733_068_800.0

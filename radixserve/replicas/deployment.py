@@ -15,7 +15,7 @@ from radixserve.engine.async_engine import AsyncEngine
 from radixserve.engine.engine import LLMEngine
 from radixserve.outputs import RequestOutput
 from radixserve.replicas.job import ReplicaFacts, ReplicaJob
-from radixserve.server.metrics import take_snapshot
+from radixserve.server.observability.metrics import take_snapshot
 
 logger = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from radixserve.replicas.job import ReplicaFacts, ReplicaJob, TextJob
 from radixserve.replicas.registry import router_for
 from radixserve.sampling_params import SamplingParams
 from radixserve.server.errors import APIError
-from radixserve.server.metrics import EngineSnapshot
+from radixserve.server.observability.metrics import EngineSnapshot
 
 logger = logging.getLogger(__name__)
 

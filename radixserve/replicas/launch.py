@@ -15,9 +15,19 @@ import logging
 import os
 import time
 import uuid
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
+from radixserve.config import EngineConfig
 from radixserve.replicas.policy import PrefixRoutingConfig
+from radixserve.server.settings import ServerSettings
+
+if TYPE_CHECKING:  # imported when serving only, so that `radixserve --help` stays fast
+    from fastapi import FastAPI
+
+# The launch layer's `run_app(app, args, settings, stop)`: serves until drained, then calls
+# `stop`; whether uvicorn started at all.
+AppRunner = Callable[["FastAPI", argparse.Namespace, ServerSettings, Callable[[], None]], bool]
 
 logger = logging.getLogger("radixserve.replicas")
 
@@ -104,16 +114,10 @@ def check_flags(args: argparse.Namespace) -> None:
                          ">= 0")
 
 
-def serve_replicas(args: argparse.Namespace) -> int:
-    from radixserve.server.cli import _CannotStart, _engine_config, _settings, run_app
-
-    try:
-        check_flags(args)
-        settings = _settings(args)
-        config = _engine_config(args)
-    except ValueError as exc:
-        print(f"error: {exc}")
-        return 2
+def serve_replicas(args: argparse.Namespace, settings: ServerSettings, config: EngineConfig,
+                   run_app: AppRunner) -> int:
+    """Serves `args.replicas` replicas (flags checked by `check_flags`) through `run_app`, the
+    launch layer's uvicorn loop; the exit status."""
     try:
         import ray
     except ImportError:
@@ -129,7 +133,7 @@ def serve_replicas(args: argparse.Namespace) -> int:
     app_name = f"{APP_PREFIX}-{uuid.uuid4().hex[:12]}"
     try:
         app, front = _deploy(args, config, settings, app_name)
-    except (_CannotStart, ValueError, RuntimeError) as exc:
+    except (ValueError, RuntimeError) as exc:
         print(f"error: cannot start the replicas: {exc}")
         _teardown(app_name, started_ray)
         return 1
@@ -146,7 +150,7 @@ def serve_replicas(args: argparse.Namespace) -> int:
     return 0 if started else 1
 
 
-def _deploy(args: argparse.Namespace, config: Any, settings: Any,
+def _deploy(args: argparse.Namespace, config: EngineConfig, settings: ServerSettings,
             app_name: str) -> tuple[Any, Any]:
     import ray
     from ray import serve
@@ -156,6 +160,7 @@ def _deploy(args: argparse.Namespace, config: Any, settings: Any,
     from radixserve.replicas.deployment import EngineReplica
     from radixserve.replicas.front import ReplicaDirectory, ReplicaFront
     from radixserve.replicas.router import router_class
+    from radixserve.replicas.routes import add_replica_routes
     from radixserve.server.app import create_app
 
     cpus = args.cpus_per_replica
@@ -201,73 +206,8 @@ def _deploy(args: argparse.Namespace, config: Any, settings: Any,
     front = ReplicaFront(handle, facts, load_tokenizer(facts.model_path), directory,
                          with_text=args.router == "ray-prefix")
     app = create_app(front, settings, replicas=directory)
-    app.add_api_route("/v1/replicas", _replicas_route(directory, front), methods=["GET"],
-                      tags=["ops"])
-    app.add_api_route("/v1/replicas/match", _match_route(directory, front), methods=["POST"],
-                      tags=["ops"])
+    add_replica_routes(app, directory, front)
     return app, front
-
-
-def _replicas_route(directory: Any, front: Any) -> Any:
-    from fastapi import Request
-
-    from radixserve.server.auth import authenticate
-    from radixserve.server.context import context_of
-
-    async def replicas(request: Request) -> dict[str, Any]:
-        """The replicas behind this ingress: their KV-event endpoints (for an external router),
-        process ids, queues as last reported, and the router's own cost. Authenticated like
-        the API: it names internal addresses."""
-        authenticate(request, context_of(request).settings)
-        routed, seconds = directory.route_cost()
-        return {
-            "replicas": directory.describe(),
-            "router": {"requests": routed,
-                       "mean_ms": seconds * 1e3 / routed if routed else 0.0,
-                       "retried_requests": front.retries},
-        }
-
-    replicas.__annotations__["request"] = Request  # see _match_route
-    return replicas
-
-
-def _match_route(directory: Any, front: Any) -> Any:
-    from fastapi import Request
-    from pydantic import BaseModel, ValidationError
-
-    from radixserve.kv_events import block_hashes
-    from radixserve.server.auth import authenticate, cache_namespace
-    from radixserve.server.context import context_of
-    from radixserve.server.errors import APIError, bad_request
-
-    class MatchRequest(BaseModel):
-        prompt: str | list[int]
-        cache_salt: str | None = None
-
-    async def match(request: Request) -> dict[str, Any]:
-        """How many leading tokens of a prompt each replica holds, as the router's index
-        knows it from their KV events (body: `prompt`, text or token ids, completions-style,
-        and `cache_salt`; the namespace is the one a request with this key and salt gets)."""
-        ctx = context_of(request)
-        try:
-            body = MatchRequest.model_validate_json(await request.body())
-        except ValidationError as exc:
-            raise bad_request(f"invalid body: {exc.errors()[0]['msg']}") from None
-        namespace = cache_namespace(ctx.settings, authenticate(request, ctx.settings),
-                                    body.cache_salt)
-        ids = front.tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else body.prompt
-        router = directory.router()
-        if router is None or not hasattr(router, "held_tokens"):
-            raise APIError(501, "only the prefix router keeps an index of what replicas hold",
-                           type="not_implemented", code="no_prefix_index")
-        size = front.facts.block_size
-        held = router.held_tokens(block_hashes(ids, namespace, size), size)
-        return {"prompt_tokens": len(ids), "block_size": size, "replicas": held}
-
-    # This module's annotations are strings (postponed), and Request is imported here, not at
-    # module level (`radixserve --help` stays fast): give FastAPI the class itself.
-    match.__annotations__["request"] = Request
-    return match
 
 
 def _teardown(app_name: str, started_ray: bool) -> None:

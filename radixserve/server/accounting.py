@@ -31,7 +31,7 @@ from radixserve.provider_caching import (
 )
 from radixserve.provider_caching.usage import CacheUsage
 from radixserve.server.auth import CacheNamespace
-from radixserve.server.metrics import ServerMetrics
+from radixserve.server.observability.metrics import ServerMetrics
 from radixserve.server.serving import Job
 from radixserve.server.settings import ServerSettings
 

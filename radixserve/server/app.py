@@ -22,18 +22,18 @@ from pydantic import BaseModel
 
 from radixserve.engine.async_engine import EngineDeadError
 from radixserve.server.accounting import CacheLedger
-from radixserve.server.anthropic_protocol import CountTokensRequest, MessagesRequest
-from radixserve.server.anthropic_routes import install_anthropic_api
+from radixserve.server.anthropic.protocol import CountTokensRequest, MessagesRequest
+from radixserve.server.anthropic.routes import install_anthropic_api
 from radixserve.server.context import ReplicaView, ServerContext, context_of
-from radixserve.server.dashboard import install_dashboard
 from radixserve.server.errors import install_error_handlers
 from radixserve.server.front import EngineFront
-from radixserve.server.metrics import EngineSnapshot, ServerMetrics, take_snapshot
-from radixserve.server.openai_protocol import ChatCompletionRequest, CompletionRequest
-from radixserve.server.openai_routes import build_openai_router
+from radixserve.server.observability.dashboard import install_dashboard
+from radixserve.server.observability.metrics import EngineSnapshot, ServerMetrics, take_snapshot
+from radixserve.server.observability.stats_routes import install_cache_stats
+from radixserve.server.openai.protocol import ChatCompletionRequest, CompletionRequest
+from radixserve.server.openai.routes import build_openai_router
 from radixserve.server.serving import EngineService, Lifecycle
 from radixserve.server.settings import ServerSettings
-from radixserve.server.stats_routes import install_cache_stats
 
 
 def create_app(aengine: EngineFront, settings: ServerSettings | None = None,

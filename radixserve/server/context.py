@@ -12,10 +12,10 @@ from fastapi import Request
 from radixserve.model.tokenizer import ChatTokenizer
 from radixserve.server.errors import model_not_found
 from radixserve.server.front import EngineFront
-from radixserve.server.metrics import EngineSnapshot, ServerMetrics
+from radixserve.server.observability.metrics import EngineSnapshot, ServerMetrics
 from radixserve.server.serving import EngineService, Lifecycle
 from radixserve.server.settings import ServerSettings
-from radixserve.server.tool_parsers import family_for_template
+from radixserve.server.tool_calls.parsers import family_for_template
 
 
 class ReplicaView(Protocol):

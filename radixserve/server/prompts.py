@@ -13,7 +13,7 @@ import jinja2
 
 from radixserve.model.tokenizer import ChatTokenizer
 from radixserve.server.errors import bad_request
-from radixserve.server.openai_protocol import ChatMessage
+from radixserve.server.openai.protocol import ChatMessage
 
 # For templates that ignore `tools`, the tools go into the system message in this form.
 TOOLS_PREAMBLE = (

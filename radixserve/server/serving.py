@@ -22,7 +22,7 @@ from radixserve.sampling_params import SamplingParams
 from radixserve.server.auth import CacheNamespace
 from radixserve.server.errors import APIError, bad_request
 from radixserve.server.front import EngineFront
-from radixserve.server.metrics import ServerMetrics
+from radixserve.server.observability.metrics import ServerMetrics
 from radixserve.server.settings import ServerSettings
 
 logger = logging.getLogger(__name__)

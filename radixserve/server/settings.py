@@ -39,7 +39,7 @@ class ServerSettings:
     # Mounts POST /debug/clock/advance, which moves the engine's (and the vendor
     # emulation's) clock forward so tests can expire TTLs; never in production.
     enable_clock_control: bool = False
-    # The tool-call format read from model output (`tool_parsers.PARSERS`); None: chosen from
+    # The tool-call format read from model output (`tool_calls.parsers.PARSERS`); None: chosen from
     # the chat template.
     tool_call_parser: str | None = None
     # "vllm": /metrics also exports `vllm:` twins of the metrics vLLM has (metrics_compat).

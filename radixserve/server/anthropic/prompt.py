@@ -27,7 +27,7 @@ from radixserve.provider_caching import (
 from radixserve.provider_caching.template import ChatPrompt, breakpoint_token_offsets, render_prompt
 from radixserve.provider_caching.vendor_rules import TTL_SECONDS
 from radixserve.server.accounting import is_known_anthropic_model
-from radixserve.server.anthropic_protocol import TEXT_BLOCK_TYPES, CountTokensRequest
+from radixserve.server.anthropic.protocol import TEXT_BLOCK_TYPES, CountTokensRequest
 from radixserve.server.context import ServerContext
 from radixserve.server.errors import APIError, bad_request
 from radixserve.server.transport import parse_body

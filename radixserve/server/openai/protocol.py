@@ -15,8 +15,8 @@ from typing import Any, Literal
 from pydantic import Field
 
 from radixserve.outputs import CompletionOutput, TokenLogprob
-from radixserve.server.constraints import ConstraintFields
 from radixserve.server.errors import bad_request
+from radixserve.server.tool_calls.constraints import ConstraintFields
 from radixserve.server.transport import StrictModel
 
 # Accepted without error, not acted on. prompt_cache_key only routes between OpenAI's

@@ -11,11 +11,10 @@ from fastapi.responses import Response
 
 from radixserve.outputs import CompletionOutput
 from radixserve.server.auth import cache_namespace
-from radixserve.server.constraints import response_format_constraint
 from radixserve.server.context import ServerContext
 from radixserve.server.exchange import Delta, handle
-from radixserve.server.openai_exchange import OpenAIExchange, stream_flags
-from radixserve.server.openai_protocol import (
+from radixserve.server.openai.exchange import OpenAIExchange, stream_flags
+from radixserve.server.openai.protocol import (
     ChatCompletionRequest,
     chat_logprobs,
     finish_reason,
@@ -23,8 +22,9 @@ from radixserve.server.openai_protocol import (
 )
 from radixserve.server.prompts import render_chat
 from radixserve.server.serving import Job
-from radixserve.server.tool_parsers import ToolCall, ToolCallStream
-from radixserve.server.tool_use import (
+from radixserve.server.tool_calls.constraints import response_format_constraint
+from radixserve.server.tool_calls.parsers import ToolCall, ToolCallStream
+from radixserve.server.tool_calls.tools import (
     CallReading,
     call_reading,
     openai_tool_choice,

@@ -33,7 +33,7 @@ DASHBOARD_FILES = {
 
 def install_dashboard(app: FastAPI) -> None:
     """Adds the page and its script and style sheet (read once, here) to `app`."""
-    static = resources.files("radixserve.server") / "static"
+    static = resources.files("radixserve.server.observability") / "static"
     for path, (name, media_type) in DASHBOARD_FILES.items():
         body = (static / name).read_bytes()
         app.add_api_route(path, _static_route(body, media_type), methods=["GET"],

@@ -14,7 +14,7 @@ from radixserve.outputs import CompletionOutput, RequestOutput
 from radixserve.server.context import ServerContext
 from radixserve.server.errors import APIError, bad_request
 from radixserve.server.exchange import Delta, Exchange
-from radixserve.server.openai_protocol import GenerationRequest, usage_body
+from radixserve.server.openai.protocol import GenerationRequest, usage_body
 from radixserve.server.serving import Job
 from radixserve.server.transport import SSE_DONE, sse
 

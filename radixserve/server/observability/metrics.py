@@ -24,7 +24,7 @@ from radixserve.cache.base import CacheStats
 from radixserve.engine.engine import LLMEngine, PoolStats
 from radixserve.kv_tier.store import LOAD_BUCKETS, TierStats
 from radixserve.provider_caching.usage import CacheUsage
-from radixserve.server.metrics_compat import VllmView
+from radixserve.server.observability.metrics_compat import VllmView
 
 PREFIX = "radixserve:"
 

@@ -4,7 +4,7 @@ grammar that makes the model write one valid call in its chat family's format.
 
 A forced call is constrained decoding, not a retry: every token of the output is masked so the
 text is `<tool_call>{"name": <one of the tools>, "arguments": <valid for that tool's
-schema>}</tool_call>` (or the family's own shape), which `tool_parsers` then reads back.
+schema>}</tool_call>` (or the family's own shape), which `parsers` then reads back.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any, Literal
 from radixserve.engine.structured_output import GrammarCompiler
 from radixserve.sampling_params import StructuredOutputsParams
 from radixserve.server.errors import bad_request
-from radixserve.server.tool_parsers import (
+from radixserve.server.tool_calls.parsers import (
     CallCheck,
     ParsedOutput,
     ToolCall,
@@ -253,7 +253,7 @@ def turn_constraint(formats: list[Constraint], tools: list[ToolSpec], choice: To
 def forced_call_grammar(tools: list[ToolSpec], choice: ToolChoice,
                         family: str) -> StructuredOutputsParams:
     """The grammar of a turn that is tool calls only: one call (or, with `parallel`, one or
-    more) to the chosen tool or any of `tools`, in `family`'s format (`tool_parsers.PARSERS`)."""
+    more) to the chosen tool or any of `tools`, in `family`'s format (`parsers.PARSERS`)."""
     assert choice.forced
     candidates = [t for t in tools if choice.name in (None, t.name)]
     key = "parameters" if family == "llama3_json" else "arguments"

@@ -1,4 +1,4 @@
-"""Anthropic-compatible routes: POST /v1/messages (`anthropic_messages`) and
+"""Anthropic-compatible routes: POST /v1/messages (`messages`) and
 POST /v1/messages/count_tokens, with errors in Anthropic's shape and its x-api-key auth; and,
 for tests only, the clock control route that makes cache TTLs expire without waiting.
 """
@@ -12,9 +12,9 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from radixserve.server.accounting import CacheLedger, OffsetClock
-from radixserve.server.anthropic_messages import create_message
-from radixserve.server.anthropic_prompt import prepare_prompt
-from radixserve.server.anthropic_protocol import (
+from radixserve.server.anthropic.messages import create_message
+from radixserve.server.anthropic.prompt import prepare_prompt
+from radixserve.server.anthropic.protocol import (
     CountTokensRequest,
     MessagesRequest,
     new_request_id,

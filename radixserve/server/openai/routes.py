@@ -1,5 +1,5 @@
-"""OpenAI-compatible routes: POST /v1/chat/completions (`openai_chat`), POST /v1/completions
-(`openai_completions`), GET /v1/models.
+"""OpenAI-compatible routes: POST /v1/chat/completions (`chat`), POST /v1/completions
+(`completions`), GET /v1/models.
 
 Usage is engine truth by default: `prompt_tokens_details.cached_tokens` is exactly the prompt
 tokens the prefix cache supplied (as llama.cpp, and vLLM with --enable-prompt-tokens-details,
@@ -15,9 +15,9 @@ from fastapi import APIRouter, Depends, Request
 
 from radixserve.server.auth import authenticate
 from radixserve.server.context import ServerContext, context_of
-from radixserve.server.openai_chat import create_chat_completion
-from radixserve.server.openai_completions import create_completion
-from radixserve.server.openai_protocol import ChatCompletionRequest, CompletionRequest
+from radixserve.server.openai.chat import create_chat_completion
+from radixserve.server.openai.completions import create_completion
+from radixserve.server.openai.protocol import ChatCompletionRequest, CompletionRequest
 from radixserve.server.transport import request_body_doc
 
 

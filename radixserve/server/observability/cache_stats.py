@@ -21,7 +21,7 @@ from radixserve.engine.async_engine import AsyncEngine, EngineDeadError
 from radixserve.engine.engine import PoolStats
 from radixserve.server.accounting import JobAccount
 from radixserve.server.auth import CacheNamespace
-from radixserve.server.metrics import take_snapshot
+from radixserve.server.observability.metrics import take_snapshot
 from radixserve.server.serving import JobEnd
 
 logger = logging.getLogger(__name__)

@@ -1,4 +1,6 @@
-"""`radixserve serve`: load the model, start the engine thread, serve the app with uvicorn.
+"""The launch layer, `radixserve serve`: parses the flags, builds the server settings and the
+engine config, and starts either the single server (the model loaded here, the engine on its
+own thread, the app under uvicorn) or replicas on Ray Serve (`replicas.launch`).
 
 SIGTERM (or Ctrl-C) drains: new requests are refused, in-flight ones get --shutdown-timeout
 seconds to finish and are then aborted, the engine stops, and the process exits 0.
@@ -28,14 +30,15 @@ from radixserve.config import (
     EngineConfig,
 )
 from radixserve.replicas.launch import add_flags as add_replica_flags
-from radixserve.replicas.launch import check_single
+from radixserve.replicas.launch import check_flags as check_replica_flags
+from radixserve.replicas.launch import check_single, serve_replicas
 from radixserve.server.settings import (
     CACHE_ACCOUNTING_MODES,
     DEFAULT_MODEL_NAME,
     METRICS_COMPAT_MODES,
     ServerSettings,
 )
-from radixserve.server.tool_parsers import PARSERS
+from radixserve.server.tool_calls.parsers import PARSERS
 
 if TYPE_CHECKING:  # imported when serving only, so that `radixserve --help` stays fast
     from fastapi import FastAPI
@@ -236,7 +239,7 @@ def _from_flags(cls: type[SettingsT], args: argparse.Namespace, **values: object
     return cls(**{**named, **values})
 
 
-def _settings(args: argparse.Namespace) -> ServerSettings:
+def settings_from_flags(args: argparse.Namespace) -> ServerSettings:
     keys = list(args.api_key or [])
     if os.environ.get(API_KEY_ENV):
         keys.append(os.environ[API_KEY_ENV])
@@ -246,11 +249,11 @@ def _settings(args: argparse.Namespace) -> ServerSettings:
         api_keys=tuple(keys), shutdown_timeout_s=args.shutdown_timeout, prices_path=args.prices)
 
 
-def _engine_config(args: argparse.Namespace) -> EngineConfig:
+def engine_config_from_flags(args: argparse.Namespace) -> EngineConfig:
     return _from_flags(EngineConfig, args, show_progress=sys.stderr.isatty())
 
 
-class _CannotStart(Exception):
+class StartupError(Exception):
     """Startup failed before serving; `status` is the exit status."""
 
     def __init__(self, message: str, status: int) -> None:
@@ -262,9 +265,7 @@ def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.replicas is not None:
-        from radixserve.replicas.launch import serve_replicas
-
-        return serve_replicas(args)
+        return _serve_replicas(args)
     try:
         check_single(args)
     except ValueError as exc:
@@ -275,7 +276,7 @@ def serve(args: argparse.Namespace) -> int:
 
     try:
         settings, aengine = _load(args)
-    except _CannotStart as exc:
+    except StartupError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.status
     engine = aengine.engine
@@ -295,8 +296,19 @@ def serve(args: argparse.Namespace) -> int:
     return 0 if started else 1
 
 
+def _serve_replicas(args: argparse.Namespace) -> int:
+    try:
+        check_replica_flags(args)
+        settings = settings_from_flags(args)
+        config = engine_config_from_flags(args)
+    except ValueError as exc:
+        print(f"error: {exc}")
+        return 2
+    return serve_replicas(args, settings, config, run_app)
+
+
 def _load(args: argparse.Namespace) -> tuple[ServerSettings, AsyncEngine]:
-    """The settings and the engine, loaded on its own thread; _CannotStart (2: bad flags or
+    """The settings and the engine, loaded on its own thread; StartupError (2: bad flags or
     prices, 1: no model)."""
     from radixserve.engine.async_engine import AsyncEngine
     from radixserve.engine.engine import LLMEngine
@@ -305,18 +317,18 @@ def _load(args: argparse.Namespace) -> tuple[ServerSettings, AsyncEngine]:
     from radixserve.server.accounting import OffsetClock
 
     try:
-        settings = _settings(args)
-        config = _engine_config(args)
+        settings = settings_from_flags(args)
+        config = engine_config_from_flags(args)
         if settings.prices_path:
             load_prices(settings.prices_path)  # a bad file fails here, before the model loads
     except (ValueError, OSError) as exc:
-        raise _CannotStart(str(exc), 2) from exc
+        raise StartupError(str(exc), 2) from exc
     # Clock control swaps the engine's clock for one a test can move forward.
     clock = OffsetClock() if settings.enable_clock_control else time.monotonic
     try:
         return settings, AsyncEngine(lambda: LLMEngine(config, clock=clock))
     except (ModelFetchError, FileNotFoundError, ValueError) as exc:
-        raise _CannotStart(f"cannot load the model: {exc}", 1) from exc
+        raise StartupError(f"cannot load the model: {exc}", 1) from exc
 
 
 def run_app(app: FastAPI, args: argparse.Namespace, settings: ServerSettings,

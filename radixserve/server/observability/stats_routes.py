@@ -16,10 +16,15 @@ from radixserve.engine.async_engine import EngineDeadError
 from radixserve.engine.engine import LLMEngine
 from radixserve.provider_caching import profile_for_model
 from radixserve.server.auth import CacheNamespace, authenticate, cache_namespace
-from radixserve.server.cache_stats import WINDOWS, CacheStatsBook, Tally, namespace_label
 from radixserve.server.context import ServerContext, context_of
 from radixserve.server.errors import APIError, bad_request
-from radixserve.server.metrics import EngineSnapshot, take_snapshot
+from radixserve.server.observability.cache_stats import (
+    WINDOWS,
+    CacheStatsBook,
+    Tally,
+    namespace_label,
+)
+from radixserve.server.observability.metrics import EngineSnapshot, take_snapshot
 
 # The tree view's caps: nodes shown, and nodes looked at to choose them (about 1 us each on
 # the engine thread; see benchmarks/bench_dashboard.py).

@@ -18,8 +18,8 @@ from radixserve.outputs import RequestOutput
 from radixserve.provider_caching import Cost
 from radixserve.sampling_params import SamplingParams, StructuredOutputsParams
 from radixserve.server.accounting import CacheLedger, JobAccount
-from radixserve.server.anthropic_prompt import PreparedPrompt, prepare_prompt
-from radixserve.server.anthropic_protocol import (
+from radixserve.server.anthropic.prompt import PreparedPrompt, prepare_prompt
+from radixserve.server.anthropic.protocol import (
     MessagesRequest,
     error_body,
     message_body,
@@ -33,7 +33,7 @@ from radixserve.server.context import ServerContext
 from radixserve.server.errors import APIError, bad_request
 from radixserve.server.exchange import Delta, Exchange, handle
 from radixserve.server.serving import Job
-from radixserve.server.tool_use import (
+from radixserve.server.tool_calls.tools import (
     CallReading,
     anthropic_tool_choice,
     anthropic_tools,
@@ -125,7 +125,7 @@ class MessagesExchange(Exchange):
         super().__init__(new_message_id(), stream)
         self.calls = calls  # how tool calls are read; None: the text is all content
         self.thinking_ignored = thinking_ignored
-        self._blocks = _StreamBlocks(calls)
+        self._blocks = StreamBlocks(calls)
         self.request_id = new_request_id()  # the `request-id` header, as the vendor sends
         self.ledger = ledger
         self.prompt = prompt
@@ -219,7 +219,7 @@ def _tool_use_id() -> str:
     return f"toolu_{uuid.uuid4().hex[:24]}"
 
 
-class _StreamBlocks:
+class StreamBlocks:
     """A streamed message's content blocks when tools are on: text block 0 is open from the
     start; each tool call is a tool_use block of its own, opened by the call's first delta (its
     name) and fed its input as input_json_delta events (one with the whole input, unless the

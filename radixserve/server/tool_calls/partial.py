@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from radixserve.server.json_spans import DECODER, ValueScan, sendable, skip_space
+from radixserve.server.tool_calls.json_spans import DECODER, ValueScan, sendable, skip_space
 
 # A call object that names its function before it opens its arguments, the shape the forced-call
 # grammar generates: only then can the arguments stream before the call is complete.

@@ -13,7 +13,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from radixserve.server.json_spans import (
+from radixserve.server.tool_calls.json_spans import (
     DECODER,
     Member,
     element_starts,
@@ -21,7 +21,7 @@ from radixserve.server.json_spans import (
     sendable,
     skip_space,
 )
-from radixserve.server.partial_calls import PartialCall, UnfinishedBlock
+from radixserve.server.tool_calls.partial import PartialCall, UnfinishedBlock
 
 PARSERS: tuple[str, ...] = ("hermes", "smollm2", "llama3_json")
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 
-from radixserve.server.cli import API_KEY_ENV
+from radixserve.serve import API_KEY_ENV
 
 Stats = dict[str, Any]  # the JSON document of GET /v1/cache/stats (README: "Cache stats")
 

@@ -20,8 +20,8 @@ from radixserve.server.auth import CacheNamespace, cache_namespace
 from radixserve.server.context import ServerContext
 from radixserve.server.errors import bad_request
 from radixserve.server.exchange import Delta, handle
-from radixserve.server.openai_exchange import OpenAIExchange, stream_flags
-from radixserve.server.openai_protocol import (
+from radixserve.server.openai.exchange import OpenAIExchange, stream_flags
+from radixserve.server.openai.protocol import (
     CompletionRequest,
     completion_logprobs,
     finish_reason,
