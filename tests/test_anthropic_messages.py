@@ -17,13 +17,12 @@ import httpx
 import pytest
 
 from radixserve.bench.textgen import WordBank
-from radixserve.model.loader import load_tokenizer
 from radixserve.model.tokenizer import ChatTokenizer
 from radixserve.provider_caching import chat_prompt, render_prompt, render_request
 from radixserve.server.anthropic_messages import _StreamBlocks
 from radixserve.server.tool_use import CallReading
 from radixserve.testing.server import ServerProcess, read_metrics
-from tests.conftest import running_server
+from tests.support.servers import anthropic_client, running_server
 
 MODEL = "claude-sonnet-4-6"  # an alias of the served model (1,024-token profile)
 KEY = "sk-ant-test-key"
@@ -41,19 +40,8 @@ def server(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 @pytest.fixture(scope="module")
 def client(server: ServerProcess) -> Iterator[anthropic.Anthropic]:
-    with anthropic.Anthropic(base_url=server.base_url, api_key=KEY, max_retries=0,
-                             timeout=300) as c:
+    with anthropic_client(server, KEY) as c:
         yield c
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_path: Path) -> ChatTokenizer:
-    return load_tokenizer(model_path)
-
-
-@pytest.fixture(scope="module")
-def bank(tokenizer: ChatTokenizer) -> WordBank:
-    return WordBank.from_tokenizer(tokenizer)
 
 
 def prompt_total(usage: Any) -> int:

@@ -22,7 +22,7 @@ from radixserve.layers.linear import (
     WideningLinear,
     choose_linear_method,
 )
-from tests.conftest import cpu_flags
+from tests.support.engine import cpu_flags
 
 MATMUL = skinny_matmul_op()
 

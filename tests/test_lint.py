@@ -18,13 +18,6 @@ from radixserve.lint.report import render_text, to_json
 FIXTURES = Path(__file__).parent / "fixtures" / "lint"
 
 
-@pytest.fixture(scope="module")
-def tokenizer(model_path):
-    from radixserve.model.loader import load_tokenizer
-
-    return load_tokenizer(model_path)
-
-
 def tokens(tokenizer, text: str) -> int:
     return len(tokenizer.encode(text, add_special_tokens=False))
 

@@ -12,7 +12,7 @@ import random
 import pytest
 
 from radixserve import LLM, SamplingParams
-from tests.conftest import use_torch_attention
+from tests.support.engine import use_torch_attention
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 

@@ -208,13 +208,6 @@ def test_blockwise_counts_and_offsets():
     assert block_end_offsets(counts)[-1] == sum(counts)
 
 
-@pytest.fixture(scope="module")
-def tokenizer(model_path):
-    from radixserve.model.loader import load_tokenizer
-
-    return load_tokenizer(model_path)
-
-
 def test_breakpoint_offsets_with_the_default_models_template(tokenizer):
     request = render_request(anthropic_body())
     marks = validate_breakpoints(request)

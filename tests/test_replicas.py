@@ -30,7 +30,8 @@ from radixserve.model.tokenizer import ChatTokenizer
 from radixserve.testing.server import ServerProcess, read_metrics, wait_idle
 from tests import test_anthropic_messages as anthropic_suite
 from tests import test_server_openai as openai_suite
-from tests.conftest import running_server
+from tests.support import servers
+from tests.support.servers import running_server
 
 MODEL = "SmolLM2-135M-Instruct"
 # 4,096-token pools: the suites' longest prompt (2,000 tokens) fits; pressure is cheap to make.
@@ -58,14 +59,9 @@ def keyed(server: ServerProcess, tmp_path_factory: pytest.TempPathFactory
         yield proc
 
 
-tokenizer = openai_suite.tokenizer
-bank = openai_suite.bank
-
-
 @pytest.fixture(scope="module")
 def anthropic_client(server: ServerProcess) -> Iterator[anthropic.Anthropic]:
-    with anthropic.Anthropic(base_url=server.base_url, api_key=KEY, max_retries=0,
-                             timeout=300) as c:
+    with servers.anthropic_client(server, KEY) as c:
         yield c
 
 

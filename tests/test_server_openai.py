@@ -14,11 +14,10 @@ import openai
 import pytest
 
 from radixserve.bench.textgen import WordBank
-from radixserve.model.loader import load_tokenizer
 from radixserve.model.tokenizer import ChatTokenizer
 from radixserve.server.openai_protocol import IGNORED_FIELDS
 from radixserve.testing.server import ServerProcess, read_metrics, wait_idle
-from tests.conftest import running_server
+from tests.support.servers import running_server
 
 MODEL = "SmolLM2-135M-Instruct"
 MAX_REQUEST_BYTES = 1_000_000
@@ -29,16 +28,6 @@ HELLO = [{"role": "user", "content": "Say hello."}]
 def server(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     with running_server(tmp_path_factory, "--max-request-bytes", str(MAX_REQUEST_BYTES), name="server") as proc:
         yield proc
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_path: Path) -> ChatTokenizer:
-    return load_tokenizer(model_path)
-
-
-@pytest.fixture(scope="module")
-def bank(tokenizer: ChatTokenizer) -> WordBank:
-    return WordBank.from_tokenizer(tokenizer)
 
 
 def assert_idle_and_clean(base_url: str) -> dict[str, float]:

@@ -16,7 +16,7 @@ import pytest
 
 from radixserve.server.top import escape, render_frame
 from radixserve.testing.server import ServerProcess, free_port
-from tests.conftest import running_server
+from tests.support.servers import running_server
 
 NOW = 1_733_068_800.0
 

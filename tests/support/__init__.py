@@ -1,0 +1,3 @@
+"""Helpers shared by the test modules: engine settings and oracles (`engine`), real-server and
+SDK-client launchers (`servers`), a stand-in engine front (`fakes`) and an operation counter
+for complexity checks (`complexity`). Fixtures are registered in tests/conftest.py."""
