@@ -60,3 +60,13 @@ def server(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 def client(server: ServerProcess) -> Iterator[openai.OpenAI]:
     with openai_client(server) as c:
         yield c
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A test that reaches the default model through a fixture must say so (`model` marker), or
+    `make test-fast` would fetch and load it."""
+    unmarked = [item.nodeid for item in items
+                if "model_path" in getattr(item, "fixturenames", ())
+                and item.get_closest_marker("model") is None]
+    if unmarked:
+        raise pytest.UsageError("needs the model but is not marked `model`: " + ", ".join(unmarked))

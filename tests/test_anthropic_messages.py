@@ -24,6 +24,8 @@ from radixserve.server.tool_use import CallReading
 from radixserve.testing.server import ServerProcess, read_metrics
 from tests.support.servers import anthropic_client, running_server
 
+pytestmark = [pytest.mark.model, pytest.mark.server]
+
 MODEL = "claude-sonnet-4-6"  # an alias of the served model (1,024-token profile)
 KEY = "sk-ant-test-key"
 USER = [{"role": "user", "content": "Summarise the text in one line."}]

@@ -18,6 +18,8 @@ from radixserve.bench.textgen import WordBank
 from radixserve.testing.server import ServerProcess, wait_idle
 from tests.support.servers import anthropic_client, running_server
 
+pytestmark = [pytest.mark.model, pytest.mark.server]
+
 MODEL = "claude-sonnet-4-6"
 POOL = 1024
 PREFIX = 200  # tokens in each system prompt

@@ -20,6 +20,8 @@ from radixserve.bench.textgen import WordBank
 from radixserve.testing.server import ServerProcess
 from tests.support.servers import anthropic_client, running_server
 
+pytestmark = [pytest.mark.model, pytest.mark.server]
+
 SONNET = "claude-sonnet-4-6"  # profile anthropic-1024
 OPUS = "claude-opus-5"  # profile anthropic-512: shorter prompts reach its minimum
 USER = [{"role": "user", "content": "Summarise the text in one line."}]

@@ -15,6 +15,8 @@ from radixserve.engine.async_engine import AsyncEngine
 from radixserve.engine.engine import LLMEngine
 from tests.support.engine import SMALL_ENGINE
 
+pytestmark = [pytest.mark.model]
+
 
 def _engine_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == "radixserve-engine"]

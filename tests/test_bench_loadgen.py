@@ -20,6 +20,8 @@ from radixserve.bench.workloads import Workload, WorkloadSpec, build_workload
 from radixserve.cli import build_parser, main
 from radixserve.model.tokenizer import ChatTokenizer
 
+pytestmark = [pytest.mark.model]
+
 WORDS = ["one", " two", " three"]
 
 

@@ -14,6 +14,8 @@ from radixserve.bench.textgen import WordBank
 from radixserve.bench.workloads import Workload, WorkloadSpec, build_workload
 from radixserve.model.tokenizer import ChatTokenizer
 
+pytestmark = [pytest.mark.model]
+
 # "<|im_start|>system\n": the tokens every chat prompt of this template starts with.
 TEMPLATE_HEAD = 3
 

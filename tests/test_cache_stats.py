@@ -21,6 +21,8 @@ from radixserve.server.serving import Job, JobEnd
 from radixserve.testing.server import ServerProcess, read_metrics
 from tests.support.servers import running_server
 
+pytestmark = [pytest.mark.model, pytest.mark.server]
+
 MODEL = "SmolLM2-135M-Instruct"
 KEY_A, KEY_B = "key-tenant-a", "key-tenant-b"
 SYSTEM = "You are a terse assistant. Answer every question in exactly one word. " * 12

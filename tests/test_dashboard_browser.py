@@ -20,6 +20,8 @@ from radixserve.server.dashboard import install_dashboard
 from radixserve.testing.server import ServerProcess, wait_idle
 from tests.support.servers import running_server
 
+pytestmark = [pytest.mark.model, pytest.mark.server]
+
 try:
     from playwright import sync_api
 except ImportError:  # the test extra installs it

@@ -13,6 +13,8 @@ import torch
 from radixserve import LLM
 from tests.support.engine import load_hf_gguf
 
+pytestmark = [pytest.mark.model]
+
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("transformers")
 

@@ -24,6 +24,8 @@ from radixserve.layers.linear import (
 )
 from tests.support.engine import cpu_flags
 
+pytestmark = [pytest.mark.model]
+
 MATMUL = skinny_matmul_op()
 
 

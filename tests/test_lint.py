@@ -15,6 +15,8 @@ from radixserve.lint.analysis import LintOptions, LintReport, lint_log
 from radixserve.lint.logs import read_logs
 from radixserve.lint.report import render_text, to_json
 
+pytestmark = [pytest.mark.model]
+
 FIXTURES = Path(__file__).parent / "fixtures" / "lint"
 
 

@@ -21,6 +21,8 @@ from radixserve.testing.server import ServerProcess
 from tests.support.fakes import IdleEngine
 from tests.support.servers import running_server
 
+pytestmark = [pytest.mark.model, pytest.mark.server]
+
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 

@@ -17,6 +17,8 @@ from radixserve.kernels import ATTENTION_PATHS, attention_path, paged_attention_
 from radixserve.model.decoder_stack import DecoderStack
 from tests.support.engine import cpu_flags
 
+pytestmark = [pytest.mark.model]
+
 OP = paged_attention_op()
 PATHS = range(len(ATTENTION_PATHS))
 

@@ -10,6 +10,8 @@ import torch
 from radixserve import LLM, SamplingParams
 from tests.support.engine import SMALL_ENGINE
 
+pytestmark = [pytest.mark.model]
+
 pytest.importorskip("transformers")
 
 PROMPT_LENGTHS = [5, 17, 64, 130, 257, 500, 777, 1000]

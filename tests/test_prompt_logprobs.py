@@ -23,6 +23,8 @@ from radixserve.outputs import RequestOutput, TokenLogprob
 from radixserve.testing.server import ServerProcess, start_server, wait_idle
 from tests.support.engine import SMALL_ENGINE
 
+pytestmark = [pytest.mark.model, pytest.mark.server]
+
 MODEL = "SmolLM2-135M-Instruct"
 # Float32 on both sides; what differs is summation order (as in test_parity_hf's 2e-3 on
 # logits), and a log-softmax's difference is at most twice its logits'.

@@ -17,6 +17,8 @@ from radixserve.provider_caching import (
 from radixserve.provider_caching.layout import prefix_hashes
 from radixserve.provider_caching.render import block_end_offsets, block_token_counts
 
+pytestmark = [pytest.mark.model]
+
 TOOL = {
     "name": "get_weather",
     "description": "Weather.",

@@ -17,6 +17,8 @@ from radixserve.layers.linear import Linear
 from radixserve.model.loader import load_model_files
 from radixserve.model.quantize import quantize, repack
 
+pytestmark = [pytest.mark.model]
+
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
 

@@ -17,6 +17,8 @@ from radixserve.layers.linear import Linear
 from radixserve.model.decoder_stack import DecoderStack
 from radixserve.model.gguf_file import GGUFFile
 
+pytestmark = [pytest.mark.model]
+
 SETTINGS = dict(dtype="float32", kv_cache_tokens=4096, show_progress=False)
 PROMPTS = [
     "The capital of France is",

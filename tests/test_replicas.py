@@ -33,6 +33,8 @@ from tests import test_server_openai as openai_suite
 from tests.support import servers
 from tests.support.servers import running_server
 
+pytestmark = [pytest.mark.model, pytest.mark.server, pytest.mark.slow]
+
 MODEL = "SmolLM2-135M-Instruct"
 # 4,096-token pools: the suites' longest prompt (2,000 tokens) fits; pressure is cheap to make.
 REPLICA_FLAGS = ("--replicas", "2", "--num-threads", "2", "--cpus-per-replica", "0.25",

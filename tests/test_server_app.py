@@ -23,6 +23,8 @@ from radixserve.server.transport import parse_body
 from radixserve.testing.server import parse_metrics
 from tests.support.fakes import IdleEngine
 
+pytestmark = [pytest.mark.model]
+
 TOOL = {"type": "function", "function": {"name": "lookup", "description": "Find a word.",
                                          "parameters": {"type": "object", "properties": {}}}}
 

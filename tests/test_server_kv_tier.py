@@ -17,6 +17,8 @@ from radixserve import LLM, SamplingParams
 from radixserve.testing.server import ServerProcess, read_metrics, wait_idle
 from tests.support.servers import running_server
 
+pytestmark = [pytest.mark.model, pytest.mark.server]
+
 MODEL = "SmolLM2-135M-Instruct"
 
 

@@ -19,6 +19,8 @@ from radixserve.server.openai_protocol import IGNORED_FIELDS
 from radixserve.testing.server import ServerProcess, read_metrics, wait_idle
 from tests.support.servers import running_server
 
+pytestmark = [pytest.mark.model, pytest.mark.server]
+
 MODEL = "SmolLM2-135M-Instruct"
 MAX_REQUEST_BYTES = 1_000_000
 HELLO = [{"role": "user", "content": "Say hello."}]

@@ -10,6 +10,8 @@ import pytest
 
 from radixserve.model.tokenizer import ChatTokenizer
 
+pytestmark = [pytest.mark.model, pytest.mark.server]
+
 MODEL = "SmolLM2-135M-Instruct"
 # Greedy, the model repeats this prompt's sentence forever: few distinct tokens.
 REPETITIVE = "The cat sat on the mat. The cat sat on the mat."

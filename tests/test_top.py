@@ -18,6 +18,8 @@ from radixserve.server.top import escape, render_frame
 from radixserve.testing.server import ServerProcess, free_port
 from tests.support.servers import running_server
 
+pytestmark = [pytest.mark.model, pytest.mark.server]
+
 NOW = 1_733_068_800.0
 
 
