@@ -5,4 +5,4 @@ for complexity checks (`complexity`). Fixtures are registered in tests/conftest.
 import pytest
 
 # The SDK suites' test bodies live here: pytest rewrites their asserts as it does a test module's.
-pytest.register_assert_rewrite("tests.support")
+pytest.register_assert_rewrite("tests.support.openai_suite", "tests.support.anthropic_suite")
