@@ -10,8 +10,9 @@ from collections.abc import Hashable
 import pytest
 from test_radix_cache import MACHINE_SETTINGS, CachedPage, FakeClock, PrefixCacheMachine
 
-from radixserve.cache import BlockHashCache, InsertResult
+from radixserve.cache import BlockHashCache
 from radixserve.engine.kv_pool import PageAllocator
+from tests.support.caches import put
 from tests.support.complexity import count_steps
 
 
@@ -60,16 +61,6 @@ def make_hash(
 ) -> tuple[BlockHashCache, PageAllocator]:
     pool = PageAllocator(num_pages, page_size)
     return BlockHashCache(page_size, pool.release, **kwargs), pool
-
-
-def put(
-    cache: BlockHashCache, pool: PageAllocator, tokens: list[int], namespace: Hashable = None
-) -> InsertResult:
-    """Caches `tokens` as a finished request would, freeing its duplicates; returns the result."""
-    slots = pool.allocate(len(tokens) // cache.page_size)
-    result = cache.insert(namespace, tokens, slots)
-    pool.release([s for s, c in zip(slots, result.slots, strict=True) if s != c])
-    return result
 
 
 def test_only_full_blocks_are_cached_and_chained() -> None:

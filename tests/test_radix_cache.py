@@ -18,6 +18,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from radixserve.cache import InsertResult, NoCache, PrefixCache, RadixCache, make_prefix_cache
 from radixserve.cache.pins import NOT_PINNED
 from radixserve.engine.kv_pool import PageAllocator
+from tests.support.caches import put
 from tests.support.complexity import count_steps
 
 POOL_SLOTS = 48
@@ -325,16 +326,6 @@ def make_radix(
 ) -> tuple[RadixCache, PageAllocator]:
     pool = PageAllocator(num_pages, page_size)
     return RadixCache(page_size, pool.release, **kwargs), pool
-
-
-def put(
-    cache: RadixCache, pool: PageAllocator, tokens: list[int], namespace: Hashable = None
-) -> InsertResult:
-    """Caches `tokens` as a finished request would, freeing its duplicates; returns the result."""
-    slots = pool.allocate(len(tokens) // cache.page_size)
-    result = cache.insert(namespace, tokens, slots)
-    pool.release([s for s, c in zip(slots, result.slots, strict=True) if s != c])
-    return result
 
 
 def test_split_copies_lock_count() -> None:
