@@ -73,12 +73,14 @@ class TestAnthropicThroughReplicas(AnthropicSuite):
     """The Anthropic suite against the replicas; its auth test against the keyed deployment."""
 
     @pytest.fixture(scope="class")
-    def client(self, server: ServerProcess) -> Iterator[anthropic.Anthropic]:
+    @classmethod
+    def client(cls, server: ServerProcess) -> Iterator[anthropic.Anthropic]:
         with anthropic_client(server, KEY) as c:
             yield c
 
     @pytest.fixture(scope="class")
-    def keyed_server(self, keyed: ServerProcess) -> ServerProcess:
+    @classmethod
+    def keyed_server(cls, keyed: ServerProcess) -> ServerProcess:
         return keyed
 
 
