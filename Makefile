@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test install model lint bench clean browser
+.PHONY: serve test test-fast install model lint bench clean browser
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,10 @@ serve: model
 
 test: model browser
 	$(PY) -m pytest -q $(ARGS)
+
+# The modules that need neither the default model nor a server process (markers in pyproject.toml).
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not model and not server" $(ARGS)
 
 # The dashboard's browser test drives Debian's chromium (never a downloaded browser): installed
 # here where apt-get runs as root (CI); elsewhere that test skips and says how to install it.

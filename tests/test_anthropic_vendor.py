@@ -17,9 +17,10 @@ import openai
 import pytest
 
 from radixserve.bench.textgen import WordBank
-from radixserve.model.loader import load_tokenizer
 from radixserve.testing.server import ServerProcess
-from tests.conftest import running_server
+from tests.support.servers import anthropic_client, running_server
+
+pytestmark = [pytest.mark.model, pytest.mark.server]
 
 SONNET = "claude-sonnet-4-6"  # profile anthropic-1024
 OPUS = "claude-opus-5"  # profile anthropic-512: shorter prompts reach its minimum
@@ -35,14 +36,8 @@ def server(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 @pytest.fixture(scope="module")
 def client(server: ServerProcess) -> Iterator[anthropic.Anthropic]:
-    with anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0,
-                             timeout=300) as c:
+    with anthropic_client(server) as c:
         yield c
-
-
-@pytest.fixture(scope="module")
-def bank(model_path: Path) -> WordBank:
-    return WordBank.from_tokenizer(load_tokenizer(model_path))
 
 
 def advance_clock(server: ServerProcess, seconds: float) -> None:

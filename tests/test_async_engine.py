@@ -13,7 +13,9 @@ from radixserve import SamplingParams
 from radixserve.config import EngineConfig
 from radixserve.engine.async_engine import AsyncEngine
 from radixserve.engine.engine import LLMEngine
-from tests.conftest import SMALL_ENGINE
+from tests.support.engine import SMALL_ENGINE
+
+pytestmark = [pytest.mark.model]
 
 
 def _engine_threads() -> list[threading.Thread]:

@@ -20,6 +20,8 @@ from radixserve.cli import main
 from radixserve.model.default_model import default_model_path
 
 pytestmark = [
+    pytest.mark.model,
+    pytest.mark.server,
     pytest.mark.slow,
     pytest.mark.skipif(
         importlib.util.find_spec("radixserve.server.app") is None,

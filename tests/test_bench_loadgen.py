@@ -18,9 +18,9 @@ from radixserve.bench.run import RunInfo, run_benchmark
 from radixserve.bench.table import summary_table
 from radixserve.bench.workloads import Workload, WorkloadSpec, build_workload
 from radixserve.cli import build_parser, main
-from radixserve.model.default_model import default_model_path
-from radixserve.model.loader import load_tokenizer
 from radixserve.model.tokenizer import ChatTokenizer
+
+pytestmark = [pytest.mark.model]
 
 WORDS = ["one", " two", " three"]
 
@@ -105,11 +105,6 @@ class FakeServer:
         # the generator is only finalised later.
         self.open -= 1
         yield b"data: [DONE]\n\n"
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> ChatTokenizer:
-    return load_tokenizer(default_model_path())
 
 
 def _run(

@@ -11,18 +11,13 @@ import pytest
 
 from radixserve.bench.textgen import WordBank
 from radixserve.bench.workloads import Workload, WorkloadSpec, build_workload
-from radixserve.model.default_model import default_model_path
-from radixserve.model.loader import load_tokenizer
 from radixserve.model.tokenizer import ChatTokenizer
 from radixserve.sequences import common_prefix_len
 
+pytestmark = [pytest.mark.model]
+
 # "<|im_start|>system\n": the tokens every chat prompt of this template starts with.
 TEMPLATE_HEAD = 3
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> ChatTokenizer:
-    return load_tokenizer(default_model_path())
 
 
 def _ids(

@@ -19,7 +19,9 @@ from radixserve.sampling_params import SamplingParams
 from radixserve.server.observability.cache_stats import CacheStatsBook, namespace_label
 from radixserve.server.serving import Job, JobEnd
 from radixserve.testing.server import ServerProcess, read_metrics
-from tests.conftest import running_server
+from tests.support.servers import running_server
+
+pytestmark = [pytest.mark.model, pytest.mark.server]
 
 MODEL = "SmolLM2-135M-Instruct"
 KEY_A, KEY_B = "key-tenant-a", "key-tenant-b"

@@ -18,7 +18,9 @@ from fastapi.testclient import TestClient
 
 from radixserve.server.observability.dashboard import install_dashboard
 from radixserve.testing.server import ServerProcess, wait_idle
-from tests.conftest import running_server
+from tests.support.servers import running_server
+
+pytestmark = [pytest.mark.model, pytest.mark.server]
 
 try:
     from playwright import sync_api

@@ -26,6 +26,8 @@ if (why := emulated_cpu.missing()) is not None:
 
 from test_gguf_kernels import FORMATS, _block, _shapes, _weights, gguf  # noqa: E402
 
+pytestmark = [pytest.mark.emulated, pytest.mark.slow]
+
 GGUF = gguf_ops()
 FLOAT = skinny_float_ops()
 # Tiles of 4 activation rows (Q6_K: 2) and single rows, within chunks of rows as gguf_linear

@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from radixserve import LLM, SamplingParams
-from tests.conftest import SMALL_ENGINE, use_torch_attention
+from tests.support.engine import SMALL_ENGINE, use_torch_attention
+
+pytestmark = [pytest.mark.model]
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 

@@ -14,6 +14,8 @@ import torch
 
 from radixserve.model.gguf_file import GGML_TYPES, GGUFFile, dequantize
 
+pytestmark = [pytest.mark.model]
+
 gguf = pytest.importorskip("gguf")
 
 Q = gguf.GGMLQuantizationType

@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from radixserve import LLM
-from tests.conftest import load_hf_gguf
+from tests.support.engine import load_hf_gguf
+
+pytestmark = [pytest.mark.model]
 
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("transformers")

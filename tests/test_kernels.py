@@ -22,7 +22,9 @@ from radixserve.layers.linear import (
     WideningLinear,
     choose_linear_method,
 )
-from tests.conftest import cpu_flags
+from tests.support.engine import cpu_flags
+
+pytestmark = [pytest.mark.model]
 
 MATMUL = skinny_matmul_op()
 

@@ -501,16 +501,34 @@ def test_subscriber_starts_over_when_the_publisher_restarts() -> None:
         subscriber.close()
 
 
-def test_publisher_never_blocks_and_binds_wildcards() -> None:
+def test_publisher_never_blocks_and_binds_wildcards(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The sender thread is held inside its first batch: publishing must not wait for it. A
+    # publish that waited would hang the publishing thread, which the join below would catch;
+    # 10,000 queue puts take milliseconds, so no load could make its bound a false failure.
+    held, release = threading.Event(), threading.Event()
+
+    def held_encode(batch: EventBatch) -> bytes:
+        held.set()
+        release.wait()
+        return encode_batch(batch)
+
+    monkeypatch.setattr("radixserve.kv_events.publisher.encode_batch", held_encode)
     publisher = KVEventPublisher("tcp://*:0", advertise_host="10.1.2.3")
     try:
         assert publisher.endpoint.startswith("tcp://10.1.2.3:")
         assert publisher.replay_endpoint is None
-        started = time.perf_counter()
-        for n in range(10_000):  # nobody listens; the engine thread must not wait
-            publisher.publish(_removed(n))
-        assert time.perf_counter() - started < 1.0
+        assert held.wait(60), "the sender never took the first batch"
+
+        def publish_all() -> None:  # nobody listens; the engine thread must not wait
+            for n in range(10_000):
+                publisher.publish(_removed(n))
+
+        engine = threading.Thread(target=publish_all)
+        engine.start()
+        engine.join(300)
+        assert not engine.is_alive(), "publish waited for the sender"
     finally:
+        release.set()
         publisher.close()
     with pytest.raises(RuntimeError, match="closed"):
         publisher.publish([])

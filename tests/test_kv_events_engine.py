@@ -18,6 +18,8 @@ import zmq
 from radixserve import LLM, SamplingParams
 from radixserve.kv_events import block_hashes
 
+pytestmark = [pytest.mark.model]
+
 BLOCK = 16
 GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 Batch = tuple[int, bytes, list[dict[str, Any]]]  # seq, raw payload, events

@@ -27,6 +27,8 @@ from tests.test_kv_tier_store import FINGERPRINT
 from tests.test_kv_tier_store import _run as run_command
 from tests.test_prefix_cache_engine import _mixed_workload, _run_rounds
 
+pytestmark = [pytest.mark.model]
+
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
 

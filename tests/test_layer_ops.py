@@ -11,7 +11,10 @@ from radixserve.model.forward_batch import Rotary
 from radixserve.model.llama import RMSNorm
 
 ops = layer_ops()
-pytestmark = pytest.mark.skipif(ops is None, reason="the C++ kernels cannot be built here")
+pytestmark = [
+    pytest.mark.model,
+    pytest.mark.skipif(ops is None, reason="the C++ kernels cannot be built here"),
+]
 
 
 def _reference_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

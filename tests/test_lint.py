@@ -15,14 +15,9 @@ from radixserve.lint.analysis import LintOptions, LintReport, lint_log
 from radixserve.lint.logs import read_logs
 from radixserve.lint.report import render_text, to_json
 
+pytestmark = [pytest.mark.model]
+
 FIXTURES = Path(__file__).parent / "fixtures" / "lint"
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_path):
-    from radixserve.model.loader import load_tokenizer
-
-    return load_tokenizer(model_path)
 
 
 def tokens(tokenizer, text: str) -> int:

@@ -18,8 +18,10 @@ from radixserve.server.app import create_app
 from radixserve.server.observability.metrics import PREFIX, ServerMetrics
 from radixserve.server.observability.metrics_compat import VLLM_NAMES, VLLM_PREFIX
 from radixserve.testing.server import ServerProcess
-from tests.conftest import running_server
-from tests.test_server_app import _IdleEngine
+from tests.support.fakes import IdleEngine
+from tests.support.servers import running_server
+
+pytestmark = [pytest.mark.model, pytest.mark.server]
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -66,7 +68,7 @@ def test_twins_in_process() -> None:
 
 def test_no_twins_without_the_flag() -> None:
     async def scrape() -> httpx.Response:
-        transport = httpx.ASGITransport(app=create_app(_IdleEngine()))  # type: ignore[arg-type]
+        transport = httpx.ASGITransport(app=create_app(IdleEngine()))  # type: ignore[arg-type]
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
             return await http.get("/metrics")
 

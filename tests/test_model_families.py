@@ -16,6 +16,8 @@ import torch
 from radixserve import LLM, SamplingParams
 from radixserve.model.loader import load_tokenizer
 
+pytestmark = [pytest.mark.model]
+
 transformers = pytest.importorskip("transformers")
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

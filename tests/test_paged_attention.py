@@ -15,7 +15,9 @@ from radixserve import LLM, SamplingParams
 from radixserve.engine.request import Request
 from radixserve.kernels import ATTENTION_PATHS, attention_path, paged_attention_op
 from radixserve.model.decoder_stack import DecoderStack
-from tests.conftest import cpu_flags
+from tests.support.engine import cpu_flags
+
+pytestmark = [pytest.mark.model]
 
 OP = paged_attention_op()
 PATHS = range(len(ATTENTION_PATHS))

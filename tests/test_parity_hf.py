@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from radixserve import LLM, SamplingParams
-from tests.conftest import SMALL_ENGINE
+from tests.support.engine import SMALL_ENGINE
+
+pytestmark = [pytest.mark.model]
 
 pytest.importorskip("transformers")
 

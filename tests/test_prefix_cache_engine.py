@@ -12,7 +12,9 @@ import random
 import pytest
 
 from radixserve import LLM, SamplingParams
-from tests.conftest import use_torch_attention
+from tests.support.engine import use_torch_attention
+
+pytestmark = [pytest.mark.model]
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 

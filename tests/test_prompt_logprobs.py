@@ -21,7 +21,9 @@ from radixserve import LLM, SamplingParams
 from radixserve.engine.scheduler import SchedulerOutput
 from radixserve.outputs import RequestOutput, TokenLogprob
 from radixserve.testing.server import ServerProcess, start_server, wait_idle
-from tests.conftest import SMALL_ENGINE
+from tests.support.engine import SMALL_ENGINE
+
+pytestmark = [pytest.mark.model, pytest.mark.server]
 
 MODEL = "SmolLM2-135M-Instruct"
 # Float32 on both sides; what differs is summation order (as in test_parity_hf's 2e-3 on

@@ -17,6 +17,8 @@ from radixserve.provider_caching import (
 from radixserve.provider_caching.layout import prefix_hashes
 from radixserve.provider_caching.render import block_end_offsets, block_token_counts
 
+pytestmark = [pytest.mark.model]
+
 TOOL = {
     "name": "get_weather",
     "description": "Weather.",
@@ -206,13 +208,6 @@ def test_blockwise_counts_and_offsets():
     counts = block_token_counts(request, CharTokenizer())
     assert counts == [len(b.text) for b in request.blocks]
     assert block_end_offsets(counts)[-1] == sum(counts)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_path):
-    from radixserve.model.loader import load_tokenizer
-
-    return load_tokenizer(model_path)
 
 
 def test_breakpoint_offsets_with_the_default_models_template(tokenizer):

@@ -18,6 +18,8 @@ from radixserve.model.loader import load_model_files
 from radixserve.model.quantize import quantize, repack
 from radixserve.model.weights import weight_formats
 
+pytestmark = [pytest.mark.model]
+
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
 

@@ -18,6 +18,8 @@ from radixserve.model.decoder_stack import DecoderStack
 from radixserve.model.gguf_file import GGUFFile
 from radixserve.model.weights import weight_formats
 
+pytestmark = [pytest.mark.model]
+
 SETTINGS = dict(dtype="float32", kv_cache_tokens=4096, show_progress=False)
 PROMPTS = [
     "The capital of France is",

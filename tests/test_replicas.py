@@ -1,6 +1,6 @@
 """`radixserve serve --replicas 2` on a real local Ray cluster: the single server's OpenAI and
-Anthropic SDK tests run again through the replicas' ingress, then routing (prefix vs power of
-two), tenants, eviction and a replica killed under load.
+Anthropic SDK suites (tests/support) run again through the replicas' ingress, then routing
+(prefix vs power of two), tenants, eviction and a replica killed under load.
 
 One cluster for the module: the first server starts it, the others join it (`--ray-address
 auto`) with an application of its own; each replica reserves a quarter of a CPU.
@@ -9,8 +9,6 @@ auto`) with an application of its own; each replica reserves a quarter of a CPU.
 from __future__ import annotations
 
 import concurrent.futures
-import functools
-import inspect
 import json
 import os
 import signal
@@ -28,22 +26,23 @@ import pytest
 
 from radixserve.model.tokenizer import ChatTokenizer
 from radixserve.testing.server import ServerProcess, read_metrics, wait_idle
-from tests import test_anthropic_messages as anthropic_suite
-from tests import test_server_openai as openai_suite
-from tests.conftest import running_server
+from tests.support.anthropic_suite import KEY, AnthropicSuite
+from tests.support.openai_suite import MAX_REQUEST_BYTES, OpenAISuite
+from tests.support.servers import anthropic_client, running_server
+
+pytestmark = [pytest.mark.model, pytest.mark.server, pytest.mark.slow]
 
 MODEL = "SmolLM2-135M-Instruct"
 # 4,096-token pools: the suites' longest prompt (2,000 tokens) fits; pressure is cheap to make.
 REPLICA_FLAGS = ("--replicas", "2", "--num-threads", "2", "--cpus-per-replica", "0.25",
                  "--kv-cache-tokens", "4096")
-KEY = anthropic_suite.KEY
 
 
 @pytest.fixture(scope="module")
 def server(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     # A low imbalance threshold (3), so that overloading a replica takes few requests.
     with running_server(tmp_path_factory, *REPLICA_FLAGS, "--max-request-bytes",
-                        str(openai_suite.MAX_REQUEST_BYTES), "--router-imbalance-threshold", "3",
+                        str(MAX_REQUEST_BYTES), "--router-imbalance-threshold", "3",
                         name="replicas") as proc:
         yield proc
 
@@ -58,52 +57,31 @@ def keyed(server: ServerProcess, tmp_path_factory: pytest.TempPathFactory
         yield proc
 
 
-tokenizer = openai_suite.tokenizer
-bank = openai_suite.bank
-
-
-@pytest.fixture(scope="module")
-def anthropic_client(server: ServerProcess) -> Iterator[anthropic.Anthropic]:
-    with anthropic.Anthropic(base_url=server.base_url, api_key=KEY, max_retries=0,
-                             timeout=300) as c:
-        yield c
-
-
-# ----- the single server's SDK tests, through the ingress -----
-
-def _rebound(test: Callable[..., Any], renames: dict[str, str]) -> Callable[..., Any]:
-    """`test` asking for fixtures under other names (the Anthropic suite's `client`)."""
-    back = {new: old for old, new in renames.items()}
-    signature = inspect.signature(test)
-
-    @functools.wraps(test)
-    def rebound(**kwargs: Any) -> Any:
-        return test(**{back.get(k, k): v for k, v in kwargs.items()})
-
-    del rebound.__wrapped__  # pytest would read the original signature through it
-    rebound.__signature__ = signature.replace(  # type: ignore[attr-defined]
-        parameters=[p.replace(name=renames.get(p.name, p.name))
-                    for p in signature.parameters.values()])
-    return rebound
-
-
+# ----- the single server's SDK suites, through the ingress -----
 # Left out, to keep `make test` within its budget: the single engine's own submission race (a
 # client leaving while its add waits in the engine thread's inbox; behind replicas a submission
-# is a stream that is cancelled, as test_openai_disconnects_abort_and_release_everything checks
-# through the ingress), and the 2,000-token cached_tokens check (the routing test below checks
-# every request's cached_tokens through the ingress against a single engine's).
-NOT_REPLAYED = {"test_disconnect_while_the_submission_is_queued",
-                "test_cached_tokens_are_the_engine_truth"}
-# Needs a server with an API key: the pow2 deployment has one.
-KEYED = {"test_auth_by_x_api_key_or_bearer"}
-for _name, _test in vars(openai_suite).items():
-    if _name.startswith("test_") and callable(_test) and _name not in NOT_REPLAYED:
-        globals()[f"test_openai_{_name[5:]}"] = _test
-for _name, _test in vars(anthropic_suite).items():
-    if _name.startswith("test_") and callable(_test):
-        globals()[f"test_anthropic_{_name[5:]}"] = _rebound(
-            _test, {"client": "anthropic_client",
-                    **({"server": "keyed"} if _name in KEYED else {})})
+# is a stream that is cancelled, as TestOpenAIThroughReplicas's disconnect test checks), and the
+# 2,000-token cached_tokens check (the routing test below checks every request's cached_tokens
+# through the ingress against a single engine's): both live in test_server_openai.py alone.
+
+
+class TestOpenAIThroughReplicas(OpenAISuite):
+    """The OpenAI suite against the replicas (`server`, and conftest's `client` of it)."""
+
+
+class TestAnthropicThroughReplicas(AnthropicSuite):
+    """The Anthropic suite against the replicas; its auth test against the keyed deployment."""
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def client(cls, server: ServerProcess) -> Iterator[anthropic.Anthropic]:
+        with anthropic_client(server, KEY) as c:
+            yield c
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def keyed_server(cls, keyed: ServerProcess) -> ServerProcess:
+        return keyed
 
 
 def test_the_router_counts_nothing_in_flight_once_idle(server: ServerProcess) -> None:

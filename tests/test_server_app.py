@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,9 @@ from radixserve.server.prompts import TOOLS_PREAMBLE, message_dicts, render_chat
 from radixserve.server.settings import ServerSettings
 from radixserve.server.transport import parse_body
 from radixserve.testing.server import parse_metrics
+from tests.support.fakes import IdleEngine
+
+pytestmark = [pytest.mark.model]
 
 TOOL = {"type": "function", "function": {"name": "lookup", "description": "Find a word.",
                                          "parameters": {"type": "object", "properties": {}}}}
@@ -95,22 +97,8 @@ def test_cache_namespaces() -> None:
         ServerSettings(isolate_tenants=True)
 
 
-class _IdleEngine:
-    """Enough of an engine front (server.front.EngineFront) for routes that refuse before
-    generating."""
-
-    alive = True
-    clock = staticmethod(time.monotonic)
-
-    async def run(self, fn: Any) -> None:
-        return None
-
-    async def flush(self) -> None:
-        return None
-
-
 def test_draining_app_answers_503_and_health_says_so() -> None:
-    app = create_app(_IdleEngine())  # type: ignore[arg-type]
+    app = create_app(IdleEngine())  # type: ignore[arg-type]
 
     async def scenario() -> list[httpx.Response]:
         transport = httpx.ASGITransport(app=app)
@@ -128,7 +116,7 @@ def test_draining_app_answers_503_and_health_says_so() -> None:
 
 
 def test_apps_keep_their_own_metrics() -> None:
-    first, second = create_app(_IdleEngine()), create_app(_IdleEngine())  # type: ignore[arg-type]
+    first, second = create_app(IdleEngine()), create_app(IdleEngine())  # type: ignore[arg-type]
     first.state.radixserve.metrics.generation_tokens.inc(5)
     assert first.state.radixserve.metrics.registry is not second.state.radixserve.metrics.registry
     text = second.state.radixserve.metrics.render(None).decode()

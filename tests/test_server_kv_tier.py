@@ -15,7 +15,9 @@ import pytest
 
 from radixserve import LLM, SamplingParams
 from radixserve.testing.server import ServerProcess, read_metrics, wait_idle
-from tests.conftest import running_server
+from tests.support.servers import running_server
+
+pytestmark = [pytest.mark.model, pytest.mark.server]
 
 MODEL = "SmolLM2-135M-Instruct"
 

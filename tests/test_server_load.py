@@ -21,6 +21,8 @@ from hypothesis import strategies as st
 
 from radixserve.testing.server import ServerProcess, start_server, wait_idle
 
+pytestmark = [pytest.mark.model, pytest.mark.server]
+
 MODEL = "SmolLM2-135M-Instruct"
 WORDS = ("river stone light paper window garden music winter orange castle signal market "
          "doctor silver engine forest planet yellow bridge thunder").split()

@@ -5,24 +5,18 @@ is a 400 naming its field. The formulas themselves are checked in test_logits_pr
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import openai
 import pytest
 
-from radixserve.model.loader import load_tokenizer
 from radixserve.model.tokenizer import ChatTokenizer
+
+pytestmark = [pytest.mark.model, pytest.mark.server]
 
 MODEL = "SmolLM2-135M-Instruct"
 # Greedy, the model repeats this prompt's sentence forever: few distinct tokens.
 REPETITIVE = "The cat sat on the mat. The cat sat on the mat."
 # Greedy, the model answers this in a few tokens and ends its turn.
 SHORT_ANSWER = [{"role": "user", "content": "What is 2+2? Answer with a number only."}]
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_path: Path) -> ChatTokenizer:
-    return load_tokenizer(model_path)
 
 
 def greedy_tokens(client: openai.OpenAI, tokenizer: ChatTokenizer, **extra: object) -> list[int]:

@@ -20,6 +20,8 @@ from pydantic import BaseModel, Field
 from radixserve.server.anthropic.messages import THINKING_HEADER
 from radixserve.testing.server import ServerProcess
 
+pytestmark = [pytest.mark.model, pytest.mark.server]
+
 MODEL = "SmolLM2-135M-Instruct"
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",

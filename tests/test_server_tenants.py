@@ -14,6 +14,8 @@ import pytest
 
 from radixserve.testing.server import ServerProcess, start_server, wait_idle
 
+pytestmark = [pytest.mark.model, pytest.mark.server]
+
 MODEL = "SmolLM2-135M-Instruct"
 KEY_A, KEY_B = "key-tenant-a", "key-tenant-b"
 SHUTDOWN_TIMEOUT_S = 8

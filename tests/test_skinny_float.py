@@ -26,6 +26,8 @@ from radixserve.layers.linear import (
     choose_linear_method,
 )
 
+pytestmark = [pytest.mark.model]
+
 OPS = skinny_float_ops()
 BEST = OPS.path() if OPS else 0  # this CPU's path
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]

@@ -19,6 +19,8 @@ from radixserve.sampling_params import SamplingParams, StructuredOutputsParams
 from radixserve.server.tool_calls.parsers import ToolCall
 from radixserve.server.tool_calls.tools import ToolSpec, call_check
 
+pytestmark = [pytest.mark.model]
+
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 12},
     "age": {"type": "integer", "minimum": 0, "maximum": 99},

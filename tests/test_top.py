@@ -16,7 +16,9 @@ import pytest
 
 from radixserve.testing.server import ServerProcess, free_port
 from radixserve.top import escape, render_frame
-from tests.conftest import running_server
+from tests.support.servers import running_server
+
+pytestmark = [pytest.mark.model, pytest.mark.server]
 
 NOW = 1_733_068_800.0
 

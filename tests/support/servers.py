@@ -1,0 +1,45 @@
+"""Real servers and SDK clients for tests: `radixserve serve` with test defaults around
+radixserve.testing.server, and OpenAI/Anthropic clients pointed at one."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import anthropic
+import openai
+import pytest
+
+from radixserve.testing.server import ServerProcess, start_server
+
+# A generous client timeout: on a loaded 2-core machine a long prompt can take minutes.
+CLIENT_TIMEOUT_S = 300
+
+
+@contextlib.contextmanager
+def running_server(tmp_path_factory: pytest.TempPathFactory, *flags: str,
+                   name: str = "server") -> Iterator[ServerProcess]:
+    """`radixserve serve` on the default model with a small pool, 2 threads and invariant
+    checks, plus `flags` (a later flag wins over a default); it must stop cleanly and log no
+    serious error."""
+    proc = start_server(["--kv-cache-tokens", "8192", "--num-threads", "2", "--debug-invariants",
+                         "--no-access-log", *flags],
+                        tmp_path_factory.mktemp(name) / "server.log")
+    yield proc
+    assert proc.stop() == 0, proc.log()
+    assert not proc.serious_errors(), proc.log()
+
+
+def openai_client(server: ServerProcess, api_key: str = "unused",
+                  timeout: float | None = CLIENT_TIMEOUT_S) -> openai.OpenAI:
+    """An OpenAI SDK client for `server`'s /v1 routes that never retries (a retry would hide a
+    failure); use it as a context manager."""
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key=api_key, max_retries=0,
+                         timeout=timeout)
+
+
+def anthropic_client(server: ServerProcess, api_key: str = "unused",
+                     timeout: float | None = CLIENT_TIMEOUT_S) -> anthropic.Anthropic:
+    """An Anthropic SDK client for `server` that never retries; use it as a context manager."""
+    return anthropic.Anthropic(base_url=server.base_url, api_key=api_key, max_retries=0,
+                               timeout=timeout)
