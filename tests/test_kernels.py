@@ -196,8 +196,8 @@ def _python(code: str, home, **env) -> subprocess.Popen:
 # The build and its lock with one self-contained source (the attention kernel): compiling the
 # whole library takes a minute on 2 cores, and every other test already builds it in-process.
 _LOAD_ATTENTION_ONLY = (
-    "import radixserve.kernels as kernels\n"
-    "kernels._SOURCES = [s for s in kernels._SOURCES if s.name == 'decode_attention.cpp']\n"
+    "import radixserve.kernels.build as build\n"
+    "build.SOURCES = [s for s in build.SOURCES if s.name == 'decode_attention.cpp']\n"
     + _LOAD)
 
 

@@ -1,0 +1,24 @@
+"""The bfloat16 matmul of a few rows (skinny_matmul.cpp) on CPUs with AVX512-BF16: a decode
+step's projections, where oneDNN's setup costs more than the arithmetic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from radixserve.kernels.build import load_library
+
+SKINNY_MAX_ROWS = 48  # measured faster than oneDNN up to here, even at 64 (bench_skinny_matmul)
+
+
+def skinny_matmul_op() -> Callable[..., torch.Tensor] | None:
+    """`torch.ops.radixserve.skinny_matmul` where the CPU has AVX512-BF16, else None.
+
+    Signature: (x [M <= SKINNY_MAX_ROWS, K], weight [N, K], bias [N] or None) -> [M, N], all
+    bfloat16, K a multiple of 32 and N of 16; see skinny_matmul.cpp.
+    """
+    if not load_library() or torch.ops.radixserve.decode_attention_level() < 2:
+        return None
+    return torch.ops.radixserve.skinny_matmul
