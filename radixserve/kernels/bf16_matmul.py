@@ -10,7 +10,7 @@ import torch
 
 from radixserve.kernels.build import load_library
 
-SKINNY_MAX_ROWS = 48  # measured faster than oneDNN up to here, even at 64 (bench_skinny_matmul)
+SKINNY_MAX_ROWS = 48  # up to here it beats oneDNN (benchmarks/bench_skinny_matmul.py)
 
 
 def skinny_matmul_op() -> Callable[..., torch.Tensor] | None:

@@ -24,7 +24,7 @@ def cpu_flags() -> frozenset[str]:
 
 def has_fast_bf16() -> bool:
     """Native bfloat16 dot products (AVX512-BF16 or AMX): there bfloat16 matmuls beat float32
-    (about 2.4x on this project's machines); elsewhere they are emulated and slower."""
+    (benchmarks/bench_linear_methods.py); elsewhere they are emulated and slower."""
     return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 

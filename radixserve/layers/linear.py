@@ -15,7 +15,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -23,9 +23,7 @@ from torch import nn
 
 from radixserve.kernels import SKINNY_MAX_ROWS, PanelArena, skinny_float_ops, skinny_matmul_op
 from radixserve.kernels.cpu import has_fast_bf16
-
-if TYPE_CHECKING:
-    from radixserve.layers.quantized import PackedParts, QuantizedWeight
+from radixserve.layers.quantized_weight import PackedParts, QuantizedWeight
 
 
 @dataclass(frozen=True)
@@ -83,9 +81,10 @@ class DenseLinear(LinearMethod):
 
 class SkinnyLinear(DenseLinear):
     """Our C++ bfloat16 matmul for inputs of at most SKINNY_MAX_ROWS rows (decode steps):
-    it streams each weight matrix once, where oneDNN reads the weights at well under half the
-    memory bandwidth at these row counts. Larger inputs, and shapes the kernel does not take
-    (in_features % 32, out_features % 16), go to oneDNN."""
+    it streams each weight matrix once, where oneDNN reads the weights well under the memory
+    bandwidth at these row counts (benchmarks/bench_skinny_matmul.py measures both). Larger
+    inputs, and shapes the kernel does not take (in_features % 32, out_features % 16), go to
+    oneDNN."""
 
     name = "kernel"
 
@@ -113,11 +112,10 @@ class SkinnyLinear(DenseLinear):
 class SkinnyFloatLinear(LinearMethod):
     """Our C++ float matmul (skinny_float.cpp) for every row count, on CPUs with AVX2+FMA+F16C
     or AVX-512F: where bfloat16 dot products are missing (AVX2-only machines), oneDNN emulates
-    half-precision matmuls (6 GFLOP/s for a one-row LM head) and runs float32 ones well under
-    the memory bandwidth from 1 to 64 rows. This kernel streams each weight once and widens it
-    in registers, computing in float32. Measured on a 2-core AVX2 EPYC against oneDNN float32
-    (benchmarks/bench_skinny_matmul.py), bfloat16 weights: 3-4.5x at 1 row, 2-8x at 4-16,
-    1.2-1.9x at 64, 0.93-1.2x at 512; so it runs every row count, prefill included.
+    half-precision matmuls and runs float32 ones well under the memory bandwidth at few rows.
+    This kernel streams each weight once and widens it in registers, computing in float32; it
+    keeps up with oneDNN float32 at prefill sizes too, so it runs every row count
+    (benchmarks/bench_skinny_matmul.py compares them by row count).
 
     `prepare` repacks each weight into panels of 16 output rows, held at the narrowest width
     that keeps every value: bfloat16 for a BF16 file, float16 for an F16 one (2 bytes per
@@ -216,14 +214,15 @@ class PanelEmbedding(nn.Module):
 class WideningLinear(DenseLinear):
     """Half-precision weights on a CPU without native bfloat16/float16 dot products (AVX2-only
     machines). There oneDNN emulates half-precision matmuls: fine for a few rows, which are
-    bound by reading the weights (half the bytes of float32), but 7x slower than float32 for
-    a 1,000-row prefill. From `min_rows` rows up this method widens the weights to float32 for
-    the call and rounds the result back: the same products, accumulated in float32 as the
-    emulation does, at float32 speed."""
+    bound by reading the weights (half the bytes of float32), but far slower than float32 for
+    a long prefill. From `min_rows` rows up this method widens the weights to float32 for the
+    call and rounds the result back: the same products, accumulated in float32 as the
+    emulation does, at float32 speed (benchmarks/bench_linear_methods.py measures the
+    crossing)."""
 
     name = "widen"
-    # Measured on an AVX2 EPYC, SmolLM2's shapes: the emulated matmul wins up to 8 rows (the
-    # widening costs one pass over the weights), float32 from 16 rows (0.49 vs 1.11 ms).
+    # Below this the emulated matmul wins: widening costs one pass over the weights, which
+    # only enough rows pay back (the crossing: benchmarks/bench_linear_methods.py).
     min_rows = 16
 
     @classmethod
@@ -289,14 +288,14 @@ class Linear(nn.Module):
     def load_quantized(self, parts: list[QuantizedWeight]) -> None:
         """Takes the file's blocks (one matrix, or a fused projection's parts in output
         order) in place of a float weight."""
-        from radixserve.layers.quantized import merge_parts
-
         rows = sum(p.rows for p in parts)
         if rows != self.out_features or any(p.cols != self.in_features for p in parts):
             raise ValueError(f"quantized parts of {rows} rows x {parts[0].cols} do not fit a "
                              f"{self.out_features}x{self.in_features} projection")
         self.weight = None
-        self.quantized = merge_parts(parts)
+        # Each part stays on its own: the kernel takes a list of parts and writes each at its
+        # column offset, so nothing is concatenated, and row orders apply as panels gather.
+        self.quantized = list(parts)
         # Repack now, so that only one layer's copies of the file's blocks exist at a time.
         self.method.prepare(self)
 

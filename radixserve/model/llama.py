@@ -23,12 +23,8 @@ from tqdm import tqdm
 
 from radixserve.layers.attention import LayerKV, StepAttention, StepPlan
 from radixserve.layers.linear import DenseLinear, Linear, LinearMethod, PanelEmbedding
-from radixserve.layers.quantized import (
-    EXECUTED_TYPES,
-    PackedParts,
-    QuantizedEmbedding,
-    QuantizedWeight,
-)
+from radixserve.layers.quantized import QuantizedEmbedding
+from radixserve.layers.quantized_weight import EXECUTED_TYPES, PackedParts, QuantizedWeight
 from radixserve.model.config import ModelConfig
 from radixserve.model.decoder_stack import DecoderStack
 
