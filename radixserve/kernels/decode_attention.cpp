@@ -300,11 +300,13 @@ std::vector<int64_t> split(const std::vector<int64_t>& cost, int64_t kv_heads) {
 // context lengths): a chunk's rows grow longer row by row, so equal counts of items would
 // leave one thread with most of the work. Items run kv head by kv head, and rows sharing a
 // prefix are adjacent (the runner orders them), so a thread reads a shared prefix from DRAM
-// once per head and finds it in cache for the next tile.
-template <typename T>
+// once per head and finds it in cache for the next tile. The path (and head_dim D of the vector
+// paths; 0 for the portable one, which takes any) is a template argument, chosen once per call
+// by `run_path`: the loop over work items holds no branch on it.
+template <typename T, int kPath, int D>
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
          const at::Tensor& slots, const at::Tensor& begins, const at::Tensor& lengths,
-         float scale, int path, at::Tensor& out) {
+         float scale, at::Tensor& out) {
   const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2);
   const int64_t kv_heads = k_cache.size(0), num_slots = k_cache.size(1);
   const int64_t groups = heads / kv_heads;
@@ -348,27 +350,19 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
       }
       const auto query = [&](int64_t i) { return qp + ((first + i) * heads + h * groups) * dim; };
 #ifdef RS_X86
-      if constexpr (std::is_same_v<T, c10::BFloat16>) {
-        if (path >= 3 && (dim == 64 || dim == 128)) {
-          for (int64_t i = 0; i < tile; ++i) {
-            if (dim == 64)
-              attend_bf16<64>(query(i), keys, values, tables[i], lp[first + i], groups, scale,
-                              scores.data(), probs.data(), totals.data(), outs[i]);
-            else
-              attend_bf16<128>(query(i), keys, values, tables[i], lp[first + i], groups, scale,
-                               scores.data(), probs.data(), totals.data(), outs[i]);
-          }
-          continue;
-        }
+      if constexpr (kPath == 3) {
+        for (int64_t i = 0; i < tile; ++i)
+          attend_bf16<D>(query(i), keys, values, tables[i], lp[first + i], groups, scale,
+                         scores.data(), probs.data(), totals.data(), outs[i]);
+        continue;
       }
 #endif
       for (int64_t i = 0; i < tile; ++i)
         for (int64_t j = 0; j < groups * dim; ++j) qf[i * groups * dim + j] = to_float(query(i)[j]);
 #ifdef RS_X86
-      if (path == 1 && (dim == 64 || dim == 128)) {
-        (dim == 64 ? attend_tile_avx2<T, 64> : attend_tile_avx2<T, 128>)(
-            qf.data(), tile, lp + first, keys, values, tables, groups, scale, scores.data(),
-            longest, acc.data(), outs);
+      if constexpr (kPath == 1) {
+        attend_tile_avx2<T, D>(qf.data(), tile, lp + first, keys, values, tables, groups, scale,
+                               scores.data(), longest, acc.data(), outs);
         continue;
       }
 #endif
@@ -376,14 +370,9 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
         const float* qi = qf.data() + i * groups * dim;
         const int64_t n = lp[first + i];
 #ifdef RS_X86
-        if (path >= 2 && dim == 64) {
-          attend_avx512<T, 64>(qi, keys, values, tables[i], n, groups, scale, scores.data(),
-                               outs[i]);
-          continue;
-        }
-        if (path >= 2 && dim == 128) {
-          attend_avx512<T, 128>(qi, keys, values, tables[i], n, groups, scale, scores.data(),
-                                outs[i]);
+        if constexpr (kPath == 2) {
+          attend_avx512<T, D>(qi, keys, values, tables[i], n, groups, scale, scores.data(),
+                              outs[i]);
           continue;
         }
 #endif
@@ -392,6 +381,30 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
       }
     }
   });
+}
+
+// `run` at a call's path (from path_for: the vector paths only see head_dim 64 or 128, path 3
+// only bfloat16).
+template <typename T>
+void run_path(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+              const at::Tensor& slots, const at::Tensor& begins, const at::Tensor& lengths,
+              float scale, int path, at::Tensor& out) {
+  const bool d64 = q.size(2) == 64;
+#ifdef RS_X86
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (path == 3)
+      return (d64 ? run<T, 3, 64> : run<T, 3, 128>)(q, k_cache, v_cache, slots, begins, lengths,
+                                                    scale, out);
+  }
+  if (path >= 2)
+    return (d64 ? run<T, 2, 64> : run<T, 2, 128>)(q, k_cache, v_cache, slots, begins, lengths,
+                                                  scale, out);
+  if (path == 1)
+    return (d64 ? run<T, 1, 64> : run<T, 1, 128>)(q, k_cache, v_cache, slots, begins, lengths,
+                                                  scale, out);
+#endif
+  (void)d64;
+  run<T, 0, 0>(q, k_cache, v_cache, slots, begins, lengths, scale, out);
 }
 
 #ifdef RS_X86
@@ -508,9 +521,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
   }
 #endif
   if (q.scalar_type() == at::kFloat) {
-    run<float>(q, k_cache, v_cache, slots, begins, lengths, fscale, path, out);
+    run_path<float>(q, k_cache, v_cache, slots, begins, lengths, fscale, path, out);
   } else if (q.scalar_type() == at::kBFloat16) {
-    run<c10::BFloat16>(q, k_cache, v_cache, slots, begins, lengths, fscale, path, out);
+    run_path<c10::BFloat16>(q, k_cache, v_cache, slots, begins, lengths, fscale, path, out);
   } else {
     TORCH_CHECK(false, "paged_attention supports float32 and bfloat16");
   }
