@@ -372,13 +372,7 @@ RS_AMX void panel_amx(const Format& f, const uint8_t* panel, const QuantizedRows
     // its own configuration between ours.
     const TileConfig* config = f.kind == Kind::q6k ? &kConfig16 : &kConfig32;
     RS_TILE_CONFIG(*config);
-    switch (f.kind) {
-      case Kind::q8s: groups<Kind::q8s>(panel, a, r0, count, acc); break;
-      case Kind::q4: groups<Kind::q4>(panel, a, r0, count, acc); break;
-      case Kind::q4m: groups<Kind::q4m>(panel, a, r0, count, acc); break;
-      case Kind::q4k: groups<Kind::q4k>(panel, a, r0, count, acc); break;
-      case Kind::q6k: groups<Kind::q6k>(panel, a, r0, count, acc); break;
-    }
+    with_kind(f.kind, [&](auto kind) { groups<decltype(kind)::value>(panel, a, r0, count, acc); });
     RS_TILE_RELEASE();  // a context switch then need not save the tiles
   }
   const int64_t done = count * kGroup;
