@@ -13,11 +13,12 @@ import torch
 
 from radixserve import LLM, SamplingParams
 from radixserve.engine.request import Request
-from radixserve.kernels import ATTENTION_PATHS, attention_path, paged_attention_op
+from radixserve.kernels import attention_path, paged_attention_op, path_names
 from radixserve.model.decoder_stack import DecoderStack
 from tests.conftest import cpu_flags
 
 OP = paged_attention_op()
+ATTENTION_PATHS = path_names("attention")
 PATHS = range(len(ATTENTION_PATHS))
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from radixserve import LLM, SamplingParams
-from radixserve.kernels import FLOAT_PATHS, PanelArena, skinny_float_ops
+from radixserve.kernels import PanelArena, path_names, skinny_float_ops
 from radixserve.kernels.cpu import cpu_flags, has_fast_bf16
 from radixserve.layers.linear import (
     Linear,
@@ -38,9 +38,9 @@ SHAPES = [(37, 33), (16, 1), (200, 97), (960, 576)]
 
 def _paths() -> list:
     return [pytest.param(path, id=name, marks=pytest.mark.skipif(
-        path > BEST, reason=f"this CPU runs the {FLOAT_PATHS[BEST]} path: {name} is checked "
+        path > BEST, reason=f"this CPU runs the {path_names('float_panels')[BEST]} path: {name} is checked "
         "natively on machines that have it (avx512 also on an emulated CPU in "
-        "test_emulated_avx512.py)")) for path, name in enumerate(FLOAT_PATHS)]
+        "test_emulated_avx512.py)")) for path, name in enumerate(path_names("float_panels"))]
 
 
 def _weights(n: int, k: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:

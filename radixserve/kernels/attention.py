@@ -9,8 +9,7 @@ from collections.abc import Callable
 import torch
 
 from radixserve.kernels.build import load_library
-
-ATTENTION_PATHS = ("portable", "avx2", "avx512", "avx512-bf16", "avx512-amx")  # paged_attention's max_path
+from radixserve.kernels.paths import best_path
 
 
 def paged_attention_op() -> Callable[..., torch.Tensor] | None:
@@ -20,21 +19,21 @@ def paged_attention_op() -> Callable[..., torch.Tensor] | None:
     lengths int64 [R], scale, max_path) -> [R, H, D]: row r attends to slots[begins[r] :
     begins[r] + lengths[r]]; decode and prefill rows alike, a row's result bitwise the same
     whatever else is in the call. See decode_attention.cpp; `attention_path()` says which
-    vector path (an index of ATTENTION_PATHS) this CPU runs.
+    vector path (an index of `path_names("attention")`) this CPU runs.
     """
     return torch.ops.radixserve.paged_attention if load_library() else None
 
 
 def attention_path() -> int:
-    """The best vector path of paged_attention on this CPU (an index of ATTENTION_PATHS); 0
-    where the kernels cannot be built."""
-    return torch.ops.radixserve.attention_path() if load_library() else 0
+    """The best vector path of paged_attention on this CPU (an index of
+    `path_names("attention")`); 0 where the kernels cannot be built."""
+    return best_path("attention")
 
 
 def attention_path_for(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
                        max_path: int) -> int:
     """The path paged_attention runs at for this pool dtype and attention shape, capped at
-    `max_path` (an index of ATTENTION_PATHS): not every path takes every shape."""
+    `max_path` (an index of `path_names("attention")`): not every path takes every shape."""
     if not load_library():
         return 0
     return torch.ops.radixserve.attention_path_for(

@@ -19,6 +19,6 @@ def skinny_matmul_op() -> Callable[..., torch.Tensor] | None:
     Signature: (x [M <= SKINNY_MAX_ROWS, K], weight [N, K], bias [N] or None) -> [M, N], all
     bfloat16, K a multiple of 32 and N of 16; see skinny_matmul.cpp.
     """
-    if not load_library() or torch.ops.radixserve.decode_attention_level() < 2:
+    if not load_library() or not torch.ops.radixserve.bf16_matmul_runs():
         return None
     return torch.ops.radixserve.skinny_matmul

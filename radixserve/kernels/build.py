@@ -27,9 +27,9 @@ SOURCES = [Path(__file__).with_name(name)
                         "gguf_matmul.cpp", "gguf_matmul_avx2.cpp", "gguf_matmul_avx512.cpp",
                         "gguf_matmul_amx.cpp",
                         "skinny_float.cpp", "layer_ops.cpp", "decoder_stack.cpp",
-                        "huge_pages.cpp")]
+                        "huge_pages.cpp", "cpu_features.cpp")]
 HEADERS = [Path(__file__).with_name(name)
-           for name in ("vector.h", "gguf_blocks.h", "skinny_float_paths.h",
+           for name in ("vector.h", "cpu_features.h", "gguf_blocks.h", "skinny_float_paths.h",
                         "decode_attention_avx512.h", "decode_attention_amx.h", "amx.h",
                         "skinny_matmul_avx512bf16.h", "huge_pages.h")]
 

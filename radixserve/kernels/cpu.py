@@ -1,7 +1,8 @@
 """What this CPU can do fast, read once from the kernel's view (/proc/cpuinfo flags).
 
 The engine asks it which dtype to default to; the kernels' own code paths are picked inside
-the C++ library by the same flags (vector.h's cpu_level), so both agree.
+the C++ library by its one probe of the same features (cpu_features.cpp; `kernels.cpu_features`
+lists what it found).
 """
 
 from __future__ import annotations

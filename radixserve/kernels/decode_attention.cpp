@@ -35,12 +35,12 @@
 #include <vector>
 
 #include "decode_attention_amx.h"
+#include "cpu_features.h"
 #include "decode_attention_avx512.h"
 #include "vector.h"
 
 namespace {
 
-using radixserve::cpu_level;
 #ifdef RS_X86
 using radixserve::attention::AmxScratch;
 using radixserve::attention::attend_amx;
@@ -244,20 +244,13 @@ RS_AVX2 void attend_tile_avx2(const float* q, int64_t tile, const int64_t* n, co
 }
 #endif
 
-// The vector path (an index of the Python side's ATTENTION_PATHS): 0 portable C++, 1 AVX2 with
-// FMA, 2 AVX-512, 3 AVX-512 with BF16 (bfloat16 pools only; float32 ones run path 2 there), 4
-// that and AMX-BF16 tile multiplies (bfloat16 pools with head_dim 64 or 128 and 2 to 16 query
-// heads per kv head; others run path 3: with one query per kv head, a decode row's tile would
-// hold one query, and its decode attention took 1.5-1.7x path 3's time).
-inline int best_path() {
-  const int level = cpu_level();
-  if (level == 2 && radixserve::amx_usable(radixserve::kAmxBf16)) return 4;
-  if (level > 0) return level + 1;
-#ifdef RS_X86
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 1;
-#endif
-  return 0;
-}
+// The vector path (an index of the family's names in cpu_features.cpp, which also says what
+// each needs of the CPU): 0 portable C++, 1 AVX2 with FMA, 2 AVX-512, 3 AVX-512 with BF16
+// (bfloat16 pools only; float32 ones run path 2 there), 4 that and AMX-BF16 tile multiplies
+// (bfloat16 pools with head_dim 64 or 128 and 2 to 16 query heads per kv head; others run path
+// 3: with one query per kv head, a decode row's tile would hold one query, and runs slower
+// than path 3 (benchmarks/bench_decode_attention.py --compare-path)).
+inline int64_t best_path() { return radixserve::best_path(radixserve::Family::attention); }
 
 // The path a call runs at, for its dtype and shape: the vector paths take head_dim 64 and 128
 // (others run portable C++), path 3 only bfloat16 pools (float32 ones run path 2), path 4
@@ -530,11 +523,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
   return out;
 }
 
-int64_t attention_path() { return best_path(); }
 int64_t attention_path_for(bool bfloat16, int64_t groups, int64_t dim, int64_t max_path) {
   return path_for(bfloat16, groups, dim, max_path);
 }
-int64_t decode_attention_level() { return cpu_level(); }
 
 }  // namespace
 
@@ -542,8 +533,6 @@ TORCH_LIBRARY(radixserve, m) {
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, "
         "Tensor begins, Tensor lengths, float scale, int max_path) -> Tensor");
   m.impl("paged_attention", c10::DispatchKey::CPU, TORCH_FN(paged_attention));
-  m.def("attention_path() -> int", &attention_path);
   m.def("attention_path_for(bool bfloat16, int groups, int dim, int max_path) -> int",
         &attention_path_for);
-  m.def("decode_attention_level() -> int", &decode_attention_level);
 }

@@ -10,8 +10,7 @@ import torch
 
 from radixserve.kernels.arena import PanelArena, empty_on_huge_pages
 from radixserve.kernels.build import load_library
-
-FLOAT_PATHS = ("portable", "avx2", "avx512")  # skinny_float_linear's paths, by max_path
+from radixserve.kernels.paths import best_path, path_names
 
 
 class SkinnyFloatOps:
@@ -19,19 +18,19 @@ class SkinnyFloatOps:
     k-major, in bfloat16, float16 or float32, multiplied in float32 arithmetic by x of any
     number of rows. Each output is one chain of FMAs over k, so a row's result is bitwise the
     same whatever the batch, thread count or path; `max_path` caps the path (an index of
-    FLOAT_PATHS) so tests can run each one.
+    `path_names("float_panels")`) so tests can run each one.
     """
 
     PANEL = 16  # output rows per panel
 
     def path(self) -> int:
-        """The best path this CPU runs (an index of FLOAT_PATHS)."""
-        return torch.ops.radixserve.skinny_float_path()
+        """The best path this CPU runs (an index of `path_names("float_panels")`)."""
+        return best_path("float_panels")
 
     def path_name(self, max_path: int | None = None) -> str:
         """The path `linear` takes on this CPU when capped at `max_path`."""
         best = self.path()
-        return FLOAT_PATHS[best if max_path is None else min(max_path, best)]
+        return path_names("float_panels")[best if max_path is None else min(max_path, best)]
 
     def pack(self, weight: torch.Tensor, dtype: torch.dtype,
              arena: PanelArena | None = None) -> torch.Tensor:

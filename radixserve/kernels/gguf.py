@@ -10,9 +10,7 @@ import torch
 
 from radixserve.kernels.arena import PanelArena
 from radixserve.kernels.build import load_library
-
-# The GGUF kernels' paths, by max_path.
-QUANT_PATHS = ("portable", "avx2", "avx512-vnni", "avx512-amx")
+from radixserve.kernels.paths import best_path, path_names
 
 
 class GGUFOps:
@@ -21,17 +19,17 @@ class GGUFOps:
 
     Types: Q8_0 (8), Q4_0 (2), Q4_1 (3), Q4_K (12), Q6_K (14). A row's result is bitwise the
     same whatever the batch, thread count or path; `max_path` caps the path (an index of
-    QUANT_PATHS) so tests can run each one.
+    `path_names("gguf")`) so tests can run each one.
     """
 
     def path(self) -> int:
-        """The best path this CPU runs (an index of QUANT_PATHS)."""
-        return torch.ops.radixserve.gguf_quant_path()
+        """The best path this CPU runs (an index of `path_names("gguf")`)."""
+        return best_path("gguf")
 
     def path_name(self, max_path: int | None = None) -> str:
         """The path gguf_linear takes on this CPU when capped at `max_path`."""
         best = self.path()
-        return QUANT_PATHS[best if max_path is None else min(max_path, best)]
+        return path_names("gguf")[best if max_path is None else min(max_path, best)]
 
     def pack(self, raw: torch.Tensor, ggml_type: int, row_order: torch.Tensor | None = None,
              arena: PanelArena | None = None) -> torch.Tensor:

@@ -33,6 +33,7 @@
 #include <memory>
 #include <vector>
 
+#include "cpu_features.h"
 #include "gguf_blocks.h"
 
 namespace radixserve::gguf {
@@ -239,7 +240,8 @@ PanelPath panel_path(int path) {
 int checked_path(int64_t max_path) {
   TORCH_CHECK_VALUE(max_path >= 0,
                     "max_path must be 0 (portable), 1 (AVX2), 2 (AVX-512 VNNI) or 3 (AMX)");
-  return static_cast<int>(std::min<int64_t>(max_path, radixserve::quant_path()));
+  return static_cast<int>(
+      std::min<int64_t>(max_path, radixserve::best_path(radixserve::Family::gguf)));
 }
 
 // Runs [0, runs) split into equal contiguous shares, one per thread, each an atomic (front,
@@ -488,7 +490,6 @@ std::vector<at::Tensor> gguf_quantize_activations(const at::Tensor& x, int64_t b
           copy(a.sums32, {m, n256 * k / 32}, at::kShort)};
 }
 
-int64_t gguf_quant_path() { return radixserve::quant_path(); }
 
 }  // namespace
 
@@ -498,5 +499,4 @@ TORCH_LIBRARY_FRAGMENT(radixserve, m) {
   m.impl("gguf_linear", c10::DispatchKey::CPU, TORCH_FN(gguf_linear));
   m.def("gguf_quantize_activations(Tensor x, int block, int max_path) -> Tensor[]");
   m.impl("gguf_quantize_activations", c10::DispatchKey::CPU, TORCH_FN(gguf_quantize_activations));
-  m.def("gguf_quant_path() -> int", &gguf_quant_path);
 }

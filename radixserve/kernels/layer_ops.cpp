@@ -31,6 +31,7 @@
 #include <tuple>
 #include <type_traits>
 
+#include "cpu_features.h"
 #include "vector.h"
 
 namespace {
@@ -101,7 +102,7 @@ RS_AVX512BF16 void mul_rows_bf16(c10::BFloat16* y, const c10::BFloat16* up, int6
 // Whether the bfloat16 rows above run here.
 inline bool bf16_rows() {
 #ifdef RS_X86
-  return radixserve::cpu_level() >= 2;
+  return radixserve::cpu_features().avx512_bf16();
 #else
   return false;
 #endif

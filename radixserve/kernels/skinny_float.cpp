@@ -28,21 +28,14 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "cpu_features.h"
 #include "skinny_float_paths.h"
 
 namespace {
 
 using namespace radixserve::skinny_float;
 
-int64_t best_path() {
-#ifdef RS_X86
-  if (__builtin_cpu_supports("avx512f")) return kAvx512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-      __builtin_cpu_supports("f16c"))
-    return kAvx2;
-#endif
-  return kPortable;
-}
+int64_t best_path() { return radixserve::best_path(radixserve::Family::float_panels); }
 
 at::Tensor skinny_float_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n,
                                const c10::optional<at::Tensor>& bias, int64_t max_path) {
@@ -85,7 +78,6 @@ at::Tensor skinny_float_linear(const at::Tensor& x, const at::Tensor& panels, in
   return n == p * kPanel ? out : out.narrow(1, 0, n).contiguous();
 }
 
-int64_t skinny_float_path() { return best_path(); }
 
 }  // namespace
 
@@ -93,5 +85,4 @@ TORCH_LIBRARY_FRAGMENT(radixserve, m) {
   m.def("skinny_float_linear(Tensor x, Tensor panels, int n, Tensor? bias, int max_path) "
         "-> Tensor");
   m.impl("skinny_float_linear", c10::DispatchKey::CPU, TORCH_FN(skinny_float_linear));
-  m.def("skinny_float_path() -> int", &skinny_float_path);
 }

@@ -18,6 +18,7 @@
 
 #include <cstdint>
 
+#include "cpu_features.h"
 #include "skinny_matmul_avx512bf16.h"
 #include "vector.h"
 
@@ -31,7 +32,7 @@ using radixserve::skinny_matmul::rows_block;
 
 at::Tensor skinny_matmul(const at::Tensor& x, const at::Tensor& weight,
                          const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(radixserve::cpu_level() >= 2, "skinny_matmul needs AVX512-BF16");
+  TORCH_CHECK(radixserve::cpu_features().avx512_bf16(), "skinny_matmul needs AVX512-BF16");
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16,
               "bfloat16 x and weight");

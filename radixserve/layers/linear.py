@@ -133,7 +133,7 @@ class SkinnyFloatLinear(LinearMethod):
         if ops is None:
             raise ValueError("the C++ kernels could not be built here")
         self.ops = ops
-        # The most vectorised path allowed (an index of FLOAT_PATHS; tests pin each one).
+        # The most vectorised path allowed (an index of path_names("float_panels"); tests pin each one).
         self.max_path = ops.path() if max_path is None else max_path
         self.held: dict[torch.dtype, int] = {}  # matrices prepared, by the dtype kept
         self.arena = PanelArena()  # the model's panels side by side, on huge pages
