@@ -45,7 +45,8 @@ enum class Kind { q8s, q4, q4m, q4k, q6k };
 
 // body(std::integral_constant<Kind, K>{}) for `kind` K: the one switch on block format, which
 // each matmul path (gguf_matmul_{avx2,avx512,amx}.cpp) gives its own per-format template, so a
-// path's inner loops are compiled once per format and chosen once per panel call.
+// path's inner loops are compiled once per format and chosen once per panel call. The body
+// carries its path's target attribute, so that the path's template is inlined into it.
 template <typename Body>
 inline void with_kind(Kind kind, Body&& body) {
   switch (kind) {

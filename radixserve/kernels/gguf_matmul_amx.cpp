@@ -372,7 +372,9 @@ RS_AMX void panel_amx(const Format& f, const uint8_t* panel, const QuantizedRows
     // its own configuration between ours.
     const TileConfig* config = f.kind == Kind::q6k ? &kConfig16 : &kConfig32;
     RS_TILE_CONFIG(*config);
-    with_kind(f.kind, [&](auto kind) { groups<decltype(kind)::value>(panel, a, r0, count, acc); });
+    with_kind(f.kind, [&](auto kind) RS_AMX {
+      groups<decltype(kind)::value>(panel, a, r0, count, acc);
+    });
     RS_TILE_RELEASE();  // a context switch then need not save the tiles
   }
   const int64_t done = count * kGroup;

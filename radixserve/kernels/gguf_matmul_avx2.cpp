@@ -769,7 +769,7 @@ RS_AVX2 void quantize_row256_avx2(const float* x, int64_t k, int8_t* q, float* d
 
 RS_AVX2 void panel_avx2(const Format& f, const uint8_t* panel, const QuantizedRows& a, int64_t r0,
                         int64_t rows, float* acc) {
-  with_kind(f.kind, [&](auto kind) {
+  with_kind(f.kind, [&](auto kind) RS_AVX2 {
     rows_of_panel<decltype(kind)::value>(panel, a, r0, rows, acc);
   });
 }

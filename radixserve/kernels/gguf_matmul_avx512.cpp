@@ -231,7 +231,7 @@ RS_AVX512VNNI void rows_of_panel(const uint8_t* panel, const QuantizedRows& a, i
 
 RS_AVX512VNNI void panel_avx512(const Format& f, const uint8_t* panel, const QuantizedRows& a,
                                 int64_t r0, int64_t rows, float* acc) {
-  with_kind(f.kind, [&](auto kind) {
+  with_kind(f.kind, [&](auto kind) RS_AVX512VNNI {
     rows_of_panel<decltype(kind)::value>(panel, a, r0, rows, acc);
   });
 }
