@@ -19,7 +19,7 @@ import pytest
 import torch
 from emulated_cpu import Arena, Call, EmulationFault, read
 
-from radixserve.kernels import gguf_ops, skinny_float_ops
+from radixserve.kernels import float_panel_ops, gguf_ops
 
 if (why := emulated_cpu.missing()) is not None:
     pytest.skip(why, allow_module_level=True)
@@ -27,7 +27,7 @@ if (why := emulated_cpu.missing()) is not None:
 from test_gguf_kernels import FORMATS, _block, _shapes, _weights, gguf  # noqa: E402
 
 GGUF = gguf_ops()
-FLOAT = skinny_float_ops()
+FLOAT = float_panel_ops()
 # Tiles of 4 activation rows (Q6_K: 2) and single rows, within chunks of rows as gguf_linear
 # cuts them (rows from r0 > 0 included).
 GGUF_ROWS = [(1, 1), (3, 3), (4, 4), (9, 9), (9, 5), (19, 8)]  # (rows, chunk)

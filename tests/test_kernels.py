@@ -17,7 +17,7 @@ from radixserve.kernels.cpu import has_fast_bf16
 from radixserve.layers.linear import (
     DenseLinear,
     Linear,
-    SkinnyFloatLinear,
+    PanelFloatLinear,
     SkinnyLinear,
     WideningLinear,
     choose_linear_method,
@@ -137,11 +137,11 @@ def test_widening_method_runs_half_precision_in_float32_from_16_rows():
     picked = choose_linear_method("auto", cpu, torch.bfloat16).name
     # The float kernel comes before widening wherever it has a vector path (its own tests are
     # in test_skinny_float.py).
-    float_kernel = SkinnyFloatLinear.unavailable(cpu, torch.bfloat16) is None
-    assert picked == ("kernel" if MATMUL is not None else "skinny-float" if float_kernel
+    float_kernel = PanelFloatLinear.unavailable(cpu, torch.bfloat16) is None
+    assert picked == ("kernel" if MATMUL is not None else "float-panels" if float_kernel
                       else "widen" if emulated else "torch")
     assert choose_linear_method("auto", cpu, torch.float32).name == (
-        "skinny-float" if float_kernel else "torch")
+        "float-panels" if float_kernel else "torch")
     with pytest.raises(ValueError, match="matmul_backend='widen' needs a CPU and bfloat16"):
         choose_linear_method("widen", cpu, torch.float32)
     print(f"this CPU {'emulates' if emulated else 'has native'} bfloat16: auto picks {picked}")

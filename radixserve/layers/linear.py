@@ -2,7 +2,7 @@
 
 A model's projection is a `Linear` layer holding its weight; how `y = x W^T + b` is computed
 is its `LinearMethod`'s business, so a layer never knows whether it runs on oneDNN, on our
-skinny bfloat16 kernel, on our float32 kernel, widened to float32 or on quantized weights.
+skinny bfloat16 kernel, on our float32 kernel over packed panels, widened to float32 or on quantized weights.
 A method may repack the weights once after loading (`prepare`) and decides per call, from the
 input's shape, which path to take.
 
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixserve.kernels import SKINNY_MAX_ROWS, PanelArena, skinny_float_ops, skinny_matmul_op
+from radixserve.kernels import SKINNY_MAX_ROWS, PanelArena, float_panel_ops, skinny_matmul_op
 from radixserve.kernels.cpu import has_fast_bf16
 from radixserve.layers.quantized_weight import PackedParts, QuantizedWeight
 
@@ -109,7 +109,7 @@ class SkinnyLinear(DenseLinear):
         return super().apply(layer, x)
 
 
-class SkinnyFloatLinear(LinearMethod):
+class PanelFloatLinear(LinearMethod):
     """Our C++ float matmul (skinny_float.cpp) for every row count, on CPUs with AVX2+FMA+F16C
     or AVX-512F: where bfloat16 dot products are missing (AVX2-only machines), oneDNN emulates
     half-precision matmuls and runs float32 ones well under the memory bandwidth at few rows.
@@ -126,10 +126,10 @@ class SkinnyFloatLinear(LinearMethod):
     count or vector path: cache on == cache off holds exactly through the projections. Inputs
     in bfloat16 or float16 are widened and the results rounded once."""
 
-    name = "skinny-float"
+    name = "float-panels"
 
     def __init__(self, max_path: int | None = None) -> None:
-        ops = skinny_float_ops()
+        ops = float_panel_ops()
         if ops is None:
             raise ValueError("the C++ kernels could not be built here")
         self.ops = ops
@@ -142,7 +142,7 @@ class SkinnyFloatLinear(LinearMethod):
     def unavailable(cls, device: torch.device, dtype: torch.dtype) -> str | None:
         if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16, torch.float16):
             return f"a CPU and a float dtype (this engine runs {dtype} on {device})"
-        ops = skinny_float_ops()
+        ops = float_panel_ops()
         if ops is None:
             return "the C++ kernels, which could not be built here (see the log)"
         if ops.path() == 0:
@@ -194,7 +194,7 @@ def narrowest_exact_dtype(weight: torch.Tensor) -> torch.dtype:
 
 class PanelEmbedding(nn.Module):
     """The token embedding table of a model whose LM head shares it (tied weights), read from
-    the head's panels once SkinnyFloatLinear has repacked them: the table is then held once,
+    the head's panels once PanelFloatLinear has repacked them: the table is then held once,
     at the panels' width, instead of beside them. Row t is column t % 16 of panel t // 16,
     bitwise the table's row (panels keep every value)."""
 
@@ -241,7 +241,7 @@ class WideningLinear(DenseLinear):
 
 
 # In preference order: `auto` takes the first available.
-LINEAR_METHODS: list[type[LinearMethod]] = [SkinnyLinear, SkinnyFloatLinear, WideningLinear,
+LINEAR_METHODS: list[type[LinearMethod]] = [SkinnyLinear, PanelFloatLinear, WideningLinear,
                                             DenseLinear]
 
 
@@ -275,7 +275,7 @@ class Linear(nn.Module):
         self.weight: nn.Parameter | None = nn.Parameter(torch.empty(out_features, in_features))
         self.bias: nn.Parameter | None
         self.register_parameter("bias", nn.Parameter(torch.empty(out_features)) if bias else None)
-        # The weight repacked by a float method's `prepare` (SkinnyFloatLinear), in place of
+        # The weight repacked by a float method's `prepare` (PanelFloatLinear), in place of
         # `weight`.
         self.panels: nn.Parameter | None
         self.register_parameter("panels", None)

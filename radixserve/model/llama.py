@@ -298,7 +298,7 @@ class LlamaModel(nn.Module):
                 module.method.prepare(module)
         if tied and isinstance(self.embed_tokens, nn.Embedding) and \
                 getattr(self.lm_head, "panels", None) is not None:
-            # The head was repacked into panels (skinny-float): read the table from them
+            # The head was repacked into panels (float-panels): read the table from them
             # rather than hold it twice.
             self.embed_tokens = PanelEmbedding(self.lm_head, dtype)
         self.stack = DecoderStack.build(self, dtype)

@@ -1,5 +1,5 @@
-"""Float32 matmuls on weights packed into panels of 16-bit (or 32-bit) values (skinny_float.cpp),
-for CPUs without bfloat16 dot products.
+"""Float32 matmuls on weights packed into panels of 16 output rows held in 16-bit (or 32-bit)
+values (skinny_float.cpp), any number of rows, for CPUs without bfloat16 dot products.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from radixserve.kernels.build import load_library
 from radixserve.kernels.paths import best_path, path_names
 
 
-class SkinnyFloatOps:
+class FloatPanelOps:
     """The float matmul of skinny_float.cpp: a weight packed once into panels of 16 output rows,
     k-major, in bfloat16, float16 or float32, multiplied in float32 arithmetic by x of any
     number of rows. Each output is one chain of FMAs over k, so a row's result is bitwise the
@@ -58,6 +58,6 @@ class SkinnyFloatOps:
 
 
 @functools.cache
-def skinny_float_ops() -> SkinnyFloatOps | None:
+def float_panel_ops() -> FloatPanelOps | None:
     """The float matmul kernel, built if needed; None where it cannot be."""
-    return SkinnyFloatOps() if load_library() else None
+    return FloatPanelOps() if load_library() else None
