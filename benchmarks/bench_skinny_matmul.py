@@ -5,7 +5,7 @@ of every layer plus the LM head of the real model, in model order, so each matri
 memory as in a decode step. Per row count: milliseconds for one pass, and the weight bytes
 read per second.
 
-`--kernel float` (CPUs with AVX2+FMA+F16C or AVX-512): the float32 kernel (skinny_float.cpp)
+`--kernel float` (CPUs with AVX2+FMA+F16C or AVX-512): the float32 kernel (radixserve/kernels/csrc/float_panels/)
 on weights held as bfloat16 (a BF16 file; float16 runs alike) and as float32 (an F32 file,
 GGUF blocks dequantized at load) against oneDNN float32, what `dtype=auto` runs on AVX2-only
 CPUs. One shape at a time: the default model's (hidden 576, FFN 1536, LM head 49152x576) and a

@@ -1,4 +1,4 @@
-"""The GGUF quantized kernels (gguf_pack.cpp, gguf_matmul*.cpp) against gguf-py.
+"""The GGUF quantized kernels (csrc/gguf/) against gguf-py.
 
 Blocks come from gguf.quants.quantize (Q8_0, Q4_0, Q4_1) or are built by hand (Q4_K, Q6_K,
 which gguf-py cannot quantize), with edge blocks; the oracle is gguf.quants.dequantize. Packing

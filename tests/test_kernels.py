@@ -206,7 +206,7 @@ def _python(code: str, home, **env) -> subprocess.Popen:
 _LOAD_ATTENTION_ONLY = (
     "import radixserve.kernels.build as build\n"
     "build.SOURCES = [s for s in build.SOURCES\n"
-    "                 if s.name in ('decode_attention.cpp', 'cpu_features.cpp')]\n"
+    "                 if s.name in ('attention.cpp', 'cpu_features.cpp')]\n"
     + _LOAD)
 
 

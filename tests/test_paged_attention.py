@@ -1,4 +1,4 @@
-"""Attention over the paged pool by our C++ kernel (radixserve/kernels/decode_attention.cpp),
+"""Attention over the paged pool by our C++ kernel (radixserve/kernels/csrc/attention/attention.cpp),
 for decode rows and prefill rows: every vector path against float64, a row's bits
 independent of the rows around it (what makes cache on == off exact), its input checks, and
 the engine through it against the PyTorch paths."""

@@ -1,4 +1,4 @@
-"""The float matmul (skinny_float.cpp) and its linear method, PanelFloatLinear.
+"""The float matmul (radixserve/kernels/csrc/float_panels/) and its linear method, PanelFloatLinear.
 
 The kernel against a float64 product of the weights as held (bfloat16, float16 or float32),
 within the proven bound of a float32 FMA chain, for every row count its tiles special-case,

@@ -4,7 +4,7 @@ library (build.py), and their Python faces, one module a family: paged attention
 matmuls of a few rows (bf16_matmul.py), float32 matmuls on packed 16-bit panels
 (float_panels.py), GGUF-quantized matmuls (gguf.py), and 2 MB-page buffers for packed weights
 (arena.py); the paths each family runs on this CPU, as the library's one probe ranks them
-(paths.py, cpu_features.cpp). This file is the package's interface: it re-exports their public names.
+(paths.py, csrc/common/cpu_features.cpp). This file is the package's interface: it re-exports their public names.
 
 Each op has a PyTorch fallback: where the library cannot be built its getter returns None,
 the build logs why once, and the engine keeps its PyTorch paths.

@@ -1,4 +1,4 @@
-"""Buffers on 2 MB pages for packed weights (huge_pages.cpp), and `PanelArena`, which lays a
+"""Buffers on 2 MB pages for packed weights (csrc/common/huge_pages.cpp), and `PanelArena`, which lays a
 model's small packed weights side by side in them: a decode step streams every weight, and
 huge pages spare it the TLB misses of 4 KB ones.
 """
@@ -11,7 +11,7 @@ from radixserve.kernels.build import load_library
 
 
 class PanelArena:
-    """A model's small packed weights side by side in buffers of 2 MB pages (huge_pages.h): a
+    """A model's small packed weights side by side in buffers of 2 MB pages (csrc/common/huge_pages.h): a
     weight under 4 MB gets no huge page of its own (SmolLM2-135M's are all under 1 MB, a 1B
     model's k and v 1.1 MB), and side by side they share them, in the order the layers are
     prepared. A weight of 4 MB or more gets a buffer of its own. One that does not fit the
@@ -39,7 +39,7 @@ class PanelArena:
 
 def empty_on_huge_pages(shape: list[int], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised CPU tensor on 2 MB pages where the kernels' library is built and Linux
-    gives them (huge_pages.cpp); torch.empty's otherwise."""
+    gives them (csrc/common/huge_pages.cpp); torch.empty's otherwise."""
     if not load_library():
         return torch.empty(shape, dtype=dtype)
     return torch.ops.radixserve.empty_on_huge_pages(shape, dtype)

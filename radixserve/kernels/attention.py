@@ -1,4 +1,4 @@
-"""Attention over the paged KV pool for decode and prefill rows (decode_attention.cpp): the op,
+"""Attention over the paged KV pool for decode and prefill rows (csrc/attention/): the op,
 and which vector path it runs on this CPU.
 """
 
@@ -18,7 +18,7 @@ def paged_attention_op() -> Callable[..., torch.Tensor] | None:
     Signature: (q [R, H, D], k_cache [Hkv, S, D], v_cache, slots int32 [N], begins int64 [R],
     lengths int64 [R], scale, max_path) -> [R, H, D]: row r attends to slots[begins[r] :
     begins[r] + lengths[r]]; decode and prefill rows alike, a row's result bitwise the same
-    whatever else is in the call. See decode_attention.cpp; `attention_path()` says which
+    whatever else is in the call. See csrc/attention/attention.cpp; `attention_path()` says which
     vector path (an index of `path_names("attention")`) this CPU runs.
     """
     return torch.ops.radixserve.paged_attention if load_library() else None

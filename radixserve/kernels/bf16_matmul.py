@@ -1,4 +1,4 @@
-"""The bfloat16 matmul of a few rows (skinny_matmul.cpp) on CPUs with AVX512-BF16: a decode
+"""The bfloat16 matmul of a few rows (csrc/bf16_matmul/) on CPUs with AVX512-BF16: a decode
 step's projections, where oneDNN's setup costs more than the arithmetic.
 """
 
@@ -17,7 +17,7 @@ def skinny_matmul_op() -> Callable[..., torch.Tensor] | None:
     """`torch.ops.radixserve.skinny_matmul` where the CPU has AVX512-BF16, else None.
 
     Signature: (x [M <= SKINNY_MAX_ROWS, K], weight [N, K], bias [N] or None) -> [M, N], all
-    bfloat16, K a multiple of 32 and N of 16; see skinny_matmul.cpp.
+    bfloat16, K a multiple of 32 and N of 16; see csrc/bf16_matmul/skinny_matmul.cpp.
     """
     if not load_library() or not torch.ops.radixserve.bf16_matmul_runs():
         return None

@@ -22,16 +22,11 @@ from radixserve.home import cache_home
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name)
-           for name in ("decode_attention.cpp", "skinny_matmul.cpp", "gguf_pack.cpp",
-                        "gguf_matmul.cpp", "gguf_matmul_avx2.cpp", "gguf_matmul_avx512.cpp",
-                        "gguf_matmul_amx.cpp",
-                        "skinny_float.cpp", "layer_ops.cpp", "decoder_stack.cpp",
-                        "huge_pages.cpp", "cpu_features.cpp")]
-HEADERS = [Path(__file__).with_name(name)
-           for name in ("vector.h", "cpu_features.h", "gguf_blocks.h", "skinny_float_paths.h",
-                        "decode_attention_avx512.h", "decode_attention_amx.h", "amx.h",
-                        "skinny_matmul_avx512bf16.h", "huge_pages.h")]
+# The sources, a folder per kernel family (csrc/<family>/, its portable, avx2, avx512 and amx
+# files named alike) and csrc/common/ for what they share; includes are relative to csrc/.
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = sorted(CSRC.glob("*/*.cpp"))
+HEADERS = sorted(CSRC.glob("*/*.h"))
 
 
 @functools.cache
@@ -84,6 +79,7 @@ def _build(library: Path, tag: str, flags: list[str]) -> bool:
                 sources=[str(source) for source in SOURCES],
                 build_directory=build,
                 extra_cflags=flags,
+                extra_include_paths=[str(CSRC)],
                 extra_ldflags=["-fopenmp"],
                 is_python_module=False,
                 verbose=False,

@@ -1,7 +1,7 @@
 """What this CPU can do fast, read once from the kernel's view (/proc/cpuinfo flags).
 
 The engine asks it which dtype to default to; the kernels' own code paths are picked inside
-the C++ library by its one probe of the same features (cpu_features.cpp; `kernels.cpu_features`
+the C++ library by its one probe of the same features (csrc/common/cpu_features.cpp; `kernels.cpu_features`
 lists what it found).
 """
 

@@ -1,5 +1,5 @@
 """Float32 matmuls on weights packed into panels of 16 output rows held in 16-bit (or 32-bit)
-values (skinny_float.cpp), any number of rows, for CPUs without bfloat16 dot products.
+values (csrc/float_panels/), any number of rows, for CPUs without bfloat16 dot products.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from radixserve.kernels.paths import best_path, path_names
 
 
 class FloatPanelOps:
-    """The float matmul of skinny_float.cpp: a weight packed once into panels of 16 output rows,
+    """The float matmul of csrc/float_panels/: a weight packed once into panels of 16 output rows,
     k-major, in bfloat16, float16 or float32, multiplied in float32 arithmetic by x of any
     number of rows. Each output is one chain of FMAs over k, so a row's result is bitwise the
     same whatever the batch, thread count or path; `max_path` caps the path (an index of
@@ -35,7 +35,7 @@ class FloatPanelOps:
     def pack(self, weight: torch.Tensor, dtype: torch.dtype,
              arena: PanelArena | None = None) -> torch.Tensor:
         """Panels [ceil(N / 16), K, 16] in `dtype` of a weight [N, K]: panel p holds rows
-        16p..16p+15 k-major, rows past N are zero. On 2 MB pages (huge_pages.h), as a slice of
+        16p..16p+15 k-major, rows past N are zero. On 2 MB pages (csrc/common/huge_pages.h), as a slice of
         the arena's buffers where one is given: a decode step streams the panels."""
         rows, cols = weight.shape
         count = -(-rows // self.PANEL)
@@ -54,7 +54,7 @@ class FloatPanelOps:
                max_path: int) -> torch.Tensor:
         """x [M, K] float32 contiguous @ W^T + bias (float32 [n] or None) -> float32 [M, n], W
         the [n, K] weight `pack` made `panels` of."""
-        return torch.ops.radixserve.skinny_float_linear(x, panels, n, bias, max_path)
+        return torch.ops.radixserve.float_panels_linear(x, panels, n, bias, max_path)
 
 
 @functools.cache

@@ -1,4 +1,4 @@
-"""Matmuls with GGUF-quantized weights (gguf_pack.cpp, gguf_matmul*.cpp): weights kept as the
+"""Matmuls with GGUF-quantized weights (csrc/gguf/): weights kept as the
 file's blocks, repacked into 16-row panels, multiplied with int8-quantized activations.
 """
 
@@ -14,7 +14,7 @@ from radixserve.kernels.paths import best_path, path_names
 
 
 class GGUFOps:
-    """The GGUF kernels (gguf_pack.cpp, gguf_matmul*.cpp): weights kept as the file's blocks,
+    """The GGUF kernels (csrc/gguf/): weights kept as the file's blocks,
     repacked into 16-row panels, multiplied with int8-quantized activations.
 
     Types: Q8_0 (8), Q4_0 (2), Q4_1 (3), Q4_K (12), Q6_K (14). A row's result is bitwise the
@@ -35,7 +35,7 @@ class GGUFOps:
              arena: PanelArena | None = None) -> torch.Tensor:
         """Panels uint8 [ceil(N / 16), K / block * panel block bytes] of a GGUF tensor's blocks
         raw uint8 [N, row_bytes]; panel row n takes raw row row_order[n] where given. About the
-        file's bytes (Q4_K: 1.03x); see gguf_blocks.h. With an arena, the panels are a slice of
+        file's bytes (Q4_K: 1.03x); see csrc/gguf/gguf_blocks.h. With an arena, the panels are a slice of
         its buffers; else a buffer of their own."""
         if arena is None or raw.dim() != 2:  # (the op refuses a bad raw)
             return torch.ops.radixserve.gguf_pack(raw, ggml_type, row_order)

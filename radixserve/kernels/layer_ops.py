@@ -1,5 +1,5 @@
-"""A decoder layer's small ops in one call each (layer_ops.cpp), sampling's row ops, and the
-decoder stack that runs a model's layers by one call (decoder_stack.cpp).
+"""A decoder layer's small ops in one call each (csrc/layer_ops/), sampling's row ops, and the
+decoder stack that runs a model's layers by one call (csrc/decoder_stack/).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from radixserve.kernels.build import load_library
 
 
 class LayerOps:
-    """A decoder layer's small ops (layer_ops.cpp), each one call instead of the half-dozen
+    """A decoder layer's small ops (csrc/layer_ops/), each one call instead of the half-dozen
     PyTorch kernels it is made of: at decode their dispatch, not their arithmetic, is the cost.
     CPU tensors, float32 or bfloat16 computed in float32."""
 
@@ -40,7 +40,7 @@ class LayerOps:
 
 def decoder_stack(heads: int, kv_heads: int, head_dim: int, eps: float,
                   scale: float) -> torch.ScriptObject | None:
-    """An empty `torch.classes.radixserve.DecoderStack` (decoder_stack.cpp), None where the
+    """An empty `torch.classes.radixserve.DecoderStack` (csrc/decoder_stack/), None where the
     kernels cannot be built: a model's decoder layers run by one call, `forward(x, cos, sin,
     k_caches, v_caches, write_slots, slots, begins, lengths, attention_path, output_rows)`
     (output_rows: the rows whose last-layer output it returns, None for all), after
@@ -57,14 +57,14 @@ def layer_ops() -> LayerOps | None:
 
 
 def token_bitmask_op() -> Callable[..., None] | None:
-    """`torch.ops.radixserve.apply_token_bitmask_` (layer_ops.cpp), None where the kernels
+    """`torch.ops.radixserve.apply_token_bitmask_` (csrc/layer_ops/), None where the kernels
     cannot be built. Signature: (logits float32 [R, vocab], masks int32 [M, words], rows int64
     [M]) -> None: row rows[m] keeps only the tokens whose bit is set in mask m."""
     return torch.ops.radixserve.apply_token_bitmask_ if load_library() else None
 
 
 def argmax_op() -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """`torch.ops.radixserve.argmax_rows` (layer_ops.cpp), None where the kernels cannot be
+    """`torch.ops.radixserve.argmax_rows` (csrc/layer_ops/), None where the kernels cannot be
     built: torch.argmax(logits, -1) of float32 [R, V] (the same indices, NaN first as torch),
     in one pass a row."""
     return torch.ops.radixserve.argmax_rows if load_library() else None
@@ -72,7 +72,7 @@ def argmax_op() -> Callable[[torch.Tensor], torch.Tensor] | None:
 
 @functools.cache  # looked up by every layer of every step
 def kv_write_op() -> Callable[..., None] | None:
-    """`torch.ops.radixserve.write_kv_` (layer_ops.cpp), None where the kernels cannot be
+    """`torch.ops.radixserve.write_kv_` (csrc/layer_ops/), None where the kernels cannot be
     built: (k_cache, v_cache [Hkv, S, D] contiguous, slots int64 [T], k, v [T, Hkv, D] in the
     caches' dtype, last dim contiguous) -> None, caches[h, slots[t]] = rows[t, h]."""
     return torch.ops.radixserve.write_kv_ if load_library() else None

@@ -1,5 +1,5 @@
 """The kernels' vector paths by family ("attention", "gguf", "float_panels"), as the library
-names and ranks them (cpu_features.cpp): a call's `max_path` is an index into its family's
+names and ranks them (csrc/common/cpu_features.cpp): a call's `max_path` is an index into its family's
 names, 0 (portable C++) everywhere, and this CPU runs up to `best_path`.
 """
 

@@ -29,8 +29,8 @@ from radixserve.layers.quantized_weight import PackedParts, QuantizedWeight
 @dataclass(frozen=True)
 class NativeProjection:
     """How C++ runs a layer's projection with the arithmetic its method's `apply` has (for the
-    decoder stack, radixserve/kernels/decoder_stack.cpp): `kind` GGUF_PARTS is gguf_linear's
-    arguments (`panels`, `types`, `rows`), FLOAT_PANELS skinny_float_linear's (one tensor of
+    decoder stack, radixserve/kernels/csrc/decoder_stack/decoder_stack.cpp): `kind` GGUF_PARTS is gguf_linear's
+    arguments (`panels`, `types`, `rows`), FLOAT_PANELS float_panels_linear's (one tensor of
     panels, a float32 bias)."""
 
     GGUF_PARTS: ClassVar[int] = 0  # the C++ side's Kind values
@@ -110,7 +110,7 @@ class SkinnyLinear(DenseLinear):
 
 
 class PanelFloatLinear(LinearMethod):
-    """Our C++ float matmul (skinny_float.cpp) for every row count, on CPUs with AVX2+FMA+F16C
+    """Our C++ float matmul (kernels/csrc/float_panels/) for every row count, on CPUs with AVX2+FMA+F16C
     or AVX-512F: where bfloat16 dot products are missing (AVX2-only machines), oneDNN emulates
     half-precision matmuls and runs float32 ones well under the memory bandwidth at few rows.
     This kernel streams each weight once and widens it in registers, computing in float32; it

@@ -5,7 +5,7 @@ gate/up): the file's own, rewritten from a format the kernel does not execute
 (REPACKED_TYPES), or quantized from float at load (`quantization=int8|int4`).
 `QuantizedLinear.prepare` packs each part once into the kernel's panels (16 output rows
 interleaved, about the blocks' bytes), and `apply` calls the C++ kernel
-(radixserve/kernels/gguf_matmul.cpp): activations are quantized per block to int8 as
+(radixserve/kernels/csrc/gguf/gguf_matmul.cpp): activations are quantized per block to int8 as
 llama.cpp does, dot products are exact integer sums, and the block scales are applied in one
 fixed order, so a row's result does not depend on the batch it runs in and cache on == cache
 off holds exactly. Layers whose weights are float keep the dense method this one wraps.

@@ -1,4 +1,4 @@
-"""Attention by our C++ kernel (radixserve/kernels/decode_attention.cpp), which reads keys and
+"""Attention by our C++ kernel (radixserve/kernels/csrc/attention/attention.cpp), which reads keys and
 values where they lie in the paged pool: no gather, no padding, no mask. One backend per role,
 one kernel: decode rows and prefill rows run the same arithmetic, row by row.
 

@@ -12,7 +12,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "gguf_blocks.h"
+#include "gguf/gguf_blocks.h"
 
 #ifdef RS_X86
 namespace radixserve::gguf {

@@ -24,8 +24,8 @@
 #include <cstdint>
 #include <cstring>
 
-#include "amx.h"
-#include "gguf_blocks.h"
+#include "common/amx.h"
+#include "gguf/gguf_blocks.h"
 
 #ifdef RS_X86
 namespace radixserve::gguf {

@@ -63,7 +63,7 @@ class DecoderStack : public torch::CustomClassHolder {
   DecoderStack(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale)
       : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale),
         gguf_linear_(op<GGUFLinear>("radixserve::gguf_linear")),
-        float_linear_(op<FloatLinear>("radixserve::skinny_float_linear")),
+        float_linear_(op<FloatLinear>("radixserve::float_panels_linear")),
         rms_norm_(op<RMSNorm>("radixserve::rms_norm")),
         add_rms_norm_(op<AddRMSNorm>("radixserve::add_rms_norm")),
         silu_mul_(op<SiluMul>("radixserve::silu_mul")),

@@ -1,7 +1,7 @@
 // The one CPU probe (cpu_features.h) and each family's paths, with the ops that tell Python
 // their names.
 
-#include "cpu_features.h"
+#include "common/cpu_features.h"
 
 #include <torch/library.h>
 

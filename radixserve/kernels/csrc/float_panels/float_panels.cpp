@@ -28,16 +28,16 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "cpu_features.h"
-#include "skinny_float_paths.h"
+#include "common/cpu_features.h"
+#include "float_panels/float_panels_paths.h"
 
 namespace {
 
-using namespace radixserve::skinny_float;
+using namespace radixserve::float_panels;
 
 int64_t best_path() { return radixserve::best_path(radixserve::Family::float_panels); }
 
-at::Tensor skinny_float_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n,
+at::Tensor float_panels_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n,
                                const c10::optional<at::Tensor>& bias, int64_t max_path) {
   TORCH_CHECK(x.device().is_cpu() && panels.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(x.scalar_type() == at::kFloat, "float32 x");
@@ -82,7 +82,7 @@ at::Tensor skinny_float_linear(const at::Tensor& x, const at::Tensor& panels, in
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(radixserve, m) {
-  m.def("skinny_float_linear(Tensor x, Tensor panels, int n, Tensor? bias, int max_path) "
+  m.def("float_panels_linear(Tensor x, Tensor panels, int n, Tensor? bias, int max_path) "
         "-> Tensor");
-  m.impl("skinny_float_linear", c10::DispatchKey::CPU, TORCH_FN(skinny_float_linear));
+  m.impl("float_panels_linear", c10::DispatchKey::CPU, TORCH_FN(float_panels_linear));
 }

@@ -27,9 +27,9 @@
 #include <limits>
 #include <memory>
 
-#include "amx.h"
-#include "decode_attention_avx512.h"
-#include "vector.h"
+#include "common/amx.h"
+#include "attention/attention_avx512.h"
+#include "common/vector.h"
 
 #ifdef RS_X86
 namespace radixserve::attention {

@@ -31,8 +31,8 @@
 #include <tuple>
 #include <type_traits>
 
-#include "cpu_features.h"
-#include "vector.h"
+#include "common/cpu_features.h"
+#include "common/vector.h"
 
 namespace {
 

@@ -34,10 +34,10 @@
 #include <type_traits>
 #include <vector>
 
-#include "decode_attention_amx.h"
-#include "cpu_features.h"
-#include "decode_attention_avx512.h"
-#include "vector.h"
+#include "attention/attention_amx.h"
+#include "common/cpu_features.h"
+#include "attention/attention_avx512.h"
+#include "common/vector.h"
 
 namespace {
 

@@ -18,9 +18,9 @@
 
 #include <cstdint>
 
-#include "cpu_features.h"
-#include "skinny_matmul_avx512bf16.h"
-#include "vector.h"
+#include "common/cpu_features.h"
+#include "bf16_matmul/skinny_matmul_avx512bf16.h"
+#include "common/vector.h"
 
 namespace {
 

@@ -33,8 +33,8 @@
 #include <memory>
 #include <vector>
 
-#include "cpu_features.h"
-#include "gguf_blocks.h"
+#include "common/cpu_features.h"
+#include "gguf/gguf_blocks.h"
 
 namespace radixserve::gguf {
 

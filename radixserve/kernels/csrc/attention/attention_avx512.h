@@ -12,7 +12,7 @@
 #include <cstring>
 #include <limits>
 
-#include "vector.h"
+#include "common/vector.h"
 
 #ifdef RS_X86
 namespace radixserve::attention {

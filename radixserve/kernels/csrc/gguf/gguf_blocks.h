@@ -32,7 +32,7 @@
 #include <cstring>
 #include <type_traits>
 
-#include "vector.h"
+#include "common/vector.h"
 
 namespace radixserve::gguf {
 
