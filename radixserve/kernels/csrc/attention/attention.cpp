@@ -88,7 +88,7 @@ void attend_portable(const float* q, const T* keys, const T* values, const int32
 
 #ifdef RS_X86
 // AVX2 + FMA (most CPUs without AVX-512): the same two passes as attend_avx512
-// (decode_attention_avx512.h), 8 floats at a time. Scores are summed four keys at a time and
+// (attention_avx512.h), 8 floats at a time. Scores are summed four keys at a time and
 // reduced together (hadd), not one horizontal sum per key.
 RS_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 RS_AVX2 inline __m256 load8(const c10::BFloat16* p) {
@@ -116,7 +116,7 @@ RS_AVX2 inline __m128 sum8x4(__m256 a, __m256 b, __m256 c, __m256 d) {
   return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
 }
 
-// e^x for x <= 0, as exp16 (decode_attention_avx512.h): the same Cephes polynomial, 2^n built
+// e^x for x <= 0, as exp16 (attention_avx512.h): the same Cephes polynomial, 2^n built
 // in the exponent bits.
 RS_AVX2 inline __m256 exp8(__m256 x) {
   x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
@@ -401,7 +401,7 @@ void run_path(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& 
 }
 
 #ifdef RS_X86
-// Path 4 (decode_attention_amx.h): tiles of up to 16 queries, the G query heads of up to 16 / G
+// Path 4 (attention_amx.h): tiles of up to 16 queries, the G query heads of up to 16 / G
 // consecutive rows that read one table (the rows of a prefill chunk; a decode row alone). A
 // thread lays out a context once for the tiles that read it, kv head by kv head, and streams
 // a context that one tile reads.

@@ -69,7 +69,7 @@ const std::vector<Path>& paths(Family family) {
       {"avx2", [](F f) { return f.avx2 && f.fma; }},
       {"avx512", [](F f) { return f.avx512(); }},
       {"avx512-bf16", [](F f) { return f.avx512_bf16(); }},
-      // Tiles of bfloat16 products (decode_attention_amx.h).
+      // Tiles of bfloat16 products (attention_amx.h).
       {"avx512-amx", [](F f) { return f.avx512_bf16() && f.amx_bf16; }}};
   static const std::vector<Path> gguf{
       {"portable", [](F) { return true; }},

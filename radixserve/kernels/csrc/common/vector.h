@@ -21,7 +21,7 @@
 #define RS_AMX                                                                              \
   __attribute__((target("avx2,fma,f16c,avx512f,avx512dq,avx512bw,avx512vl,avx512vnni,"     \
                         "amx-tile,amx-int8")))
-// Attention's AMX path (decode_attention_amx.h).
+// Attention's AMX path (attention_amx.h).
 #define RS_AMXBF16 \
   __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")))
 #endif

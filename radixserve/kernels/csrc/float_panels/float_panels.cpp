@@ -1,16 +1,15 @@
 // y = x W^T (+ bias) in float32 arithmetic, W kept at 16 bits (bfloat16 or float16) or as
 // float32, for CPUs without bfloat16 dot products: AVX2+FMA+F16C, AVX-512F, portable C++.
 //
-// Why: on such CPUs oneDNN emulates half-precision matmuls (6 GFLOP/s for a one-row LM head)
-// and runs float32 ones well below the memory bandwidth or the FMA units from 1 to 64 rows.
+// Why: on such CPUs oneDNN emulates half-precision matmuls (slowly, even for one row) and runs float32 ones well below the memory bandwidth or the FMA units from 1 to 64 rows.
 // A decode step is bound by reading the weights: here each is read once, at 2 bytes, and
 // widened in registers. A prefill is bound by FMAs: per panel of weights, tiles of 6 rows of
 // x (12 on AVX-512) keep 12 accumulators busy, the first tile streaming the panel from memory
-// and the others finding it in L2 (16 x K x 2 bytes: 64 KB at K = 2048). Measured against
-// widening blocks of weights into L1 for tiles of packed x (a GEMM's blocking): as fast or
-// faster on the 2-core AVX2 machine from 7 to 512 rows, so the simpler loop stays.
+// and the others finding it in L2 (16 x K x 2 bytes: 64 KB at K = 2048). Widening blocks of
+// weights into L1 for tiles of packed x (a GEMM's blocking) was no faster from a few rows to
+// prefill sizes (benchmarks/bench_skinny_matmul.py), so the simpler loop stays.
 //
-// Layout (SkinnyFloatOps.pack in kernels/__init__.py): panels [P, K, 16], panel p holding W's
+// Layout (FloatPanelOps.pack in kernels/float_panels.py): panels [P, K, 16], panel p holding W's
 // rows 16p..16p+15 k-major (rows past N are zero). A k step of a panel is 16 weights in one
 // 32-byte line, multiplied by x[m][k] broadcast: an outer product, no horizontal sums.
 //

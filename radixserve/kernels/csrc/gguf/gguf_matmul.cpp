@@ -399,8 +399,7 @@ at::Tensor gguf_linear(const at::Tensor& x, at::TensorList panels, at::IntArrayR
   // Each thread takes an equal contiguous share of the runs (about 32 KB of weights each) and
   // works through it front to back, as one stream; one that finishes early then takes runs
   // from the back of the others' shares. Cores need not run at one speed (a VM's vCPU whose
-  // host core is busy with a neighbour, a laptop's efficiency cores: on this project's 2-core
-  // VMs one core at times ran this kernel at 0.6x the other's rate), and with fixed shares
+  // host core is busy with a neighbour, a laptop's efficiency cores), and with fixed shares
   // the fast one would wait for the slow one. From kWideRunRows rows of x on, a run holds up
   // to kRunPanels panels (while each thread still gets two runs), so that its outputs are
   // written in whole lines (write_run); a decode step's few rows keep small runs, and the
