@@ -31,7 +31,7 @@ from timing import best_ms
 from radixserve import LLM, SamplingParams
 from radixserve.engine.request import Request
 from radixserve.engine.scheduler import ScheduledChunk, SchedulerOutput
-from radixserve.kernels import ATTENTION_PATHS, attention_path
+from radixserve.kernels import attention_path, path_names
 from radixserve.layers.attention import choose_backend
 
 # (label, requests, distinct prefixes, prefix tokens, own tokens per request)
@@ -170,13 +170,13 @@ def main() -> None:
     parser.add_argument("--prefill-tokens", type=int, nargs="*", default=[500, 2000])
     parser.add_argument("--compare-path", type=int, default=None,
                         help="also time the kernel's layer capped at this path (an index of "
-                             f"ATTENTION_PATHS: {', '.join(ATTENTION_PATHS)})")
+                             f"the attention paths: {', '.join(path_names('attention'))})")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if args.compare_path is not None and not 0 <= args.compare_path <= attention_path():
         parser.error(f"--compare-path {args.compare_path} is not a path this CPU runs "
-                     f"(0 to {attention_path()}: {', '.join(ATTENTION_PATHS[:attention_path() + 1])})")
-    print(f"CPU flags: {_cpu_flags()}; kernel path: {ATTENTION_PATHS[attention_path()]}; "
+                     f"(0 to {attention_path()}: {', '.join(path_names('attention')[:attention_path() + 1])})")
+    print(f"CPU flags: {_cpu_flags()}; kernel path: {path_names('attention')[attention_path()]}; "
           f"dtype {args.dtype}; {torch.get_num_threads()} threads")
     llm = LLM(args.model, dtype=args.dtype, kv_cache_tokens=80_000, show_progress=False)
     rows = []
@@ -205,8 +205,8 @@ def main() -> None:
         "threads": torch.get_num_threads(),
         "dtype": args.dtype,
         "cpu_flags": _cpu_flags(),
-        "kernel_path": ATTENTION_PATHS[attention_path()],
-        "compare_path": None if args.compare_path is None else ATTENTION_PATHS[args.compare_path],
+        "kernel_path": path_names('attention')[attention_path()],
+        "compare_path": None if args.compare_path is None else path_names('attention')[args.compare_path],
         "rows": rows,
     }
     if args.out:

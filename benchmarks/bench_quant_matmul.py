@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from timing import best_ms, cold_bytes
 
-from radixserve.kernels import QUANT_PATHS, GGUFOps, gguf_ops
+from radixserve.kernels import GGUFOps, gguf_ops, path_names
 from radixserve.kernels.cpu import describe, has_fast_bf16
 
 Q = gguf.GGMLQuantizationType
@@ -87,7 +87,7 @@ def main() -> None:
                         help="OUTxIN weight shapes")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--max-path", type=int, default=None,
-                        help="the kernel's path (an index of QUANT_PATHS, at most this CPU's "
+                        help="the kernel's path (an index of the kernel's gguf paths, at most this CPU's "
                              "best: 2 runs the AVX-512 VNNI path on a CPU with AMX); default: "
                              "this CPU's best")
     parser.add_argument("--out", type=Path, default=None)
@@ -99,7 +99,7 @@ def main() -> None:
     path = ops.path() if args.max_path is None else args.max_path
     if not 0 <= path <= ops.path():
         parser.error(f"--max-path {path}: this CPU runs paths 0 to {ops.path()} "
-                     f"({', '.join(QUANT_PATHS[:ops.path() + 1])})")
+                     f"({', '.join(path_names('gguf')[:ops.path() + 1])})")
     print(f"CPU: {describe()} | quantized path: {ops.path_name(path)} | threads: "
           f"{torch.get_num_threads()}")
     dtypes = [torch.float32] + ([torch.bfloat16] if has_fast_bf16() else [])

@@ -5,7 +5,7 @@ of every layer plus the LM head of the real model, in model order, so each matri
 memory as in a decode step. Per row count: milliseconds for one pass, and the weight bytes
 read per second.
 
-`--kernel float` (CPUs with AVX2+FMA+F16C or AVX-512): the float32 kernel (skinny_float.cpp)
+`--kernel float` (CPUs with AVX2+FMA+F16C or AVX-512): the float32 kernel (radixserve/kernels/csrc/float_panels/)
 on weights held as bfloat16 (a BF16 file; float16 runs alike) and as float32 (an F32 file,
 GGUF blocks dequantized at load) against oneDNN float32, what `dtype=auto` runs on AVX2-only
 CPUs. One shape at a time: the default model's (hidden 576, FFN 1536, LM head 49152x576) and a
@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from timing import best_ms, cold_bytes
 
 from radixserve import LLM
-from radixserve.kernels import skinny_float_ops
+from radixserve.kernels import float_panel_ops
 from radixserve.kernels.cpu import describe, has_fast_bf16
 
 # (name, N, K): output x input features.
@@ -56,7 +56,7 @@ def ms_per_matrix(products: list[Callable[[], object]], repeat: int) -> float:
 
 
 def bench_float(row_counts: list[int], repeat: int) -> list[dict]:
-    ops = skinny_float_ops()
+    ops = float_panel_ops()
     assert ops is not None and ops.path() > 0, "the float kernel needs AVX2+FMA+F16C or AVX-512"
     print(f"float kernel on the {ops.path_name()} path. Per matrix: ms, GFLOP/s, GB/s of the "
           "weights as held; x: speedup over oneDNN", flush=True)

@@ -18,10 +18,14 @@ ATTENTION_BACKENDS = ("auto", "kernel", "torch")
 # scaled_dot_product_attention; auto, the first of these that applies here.
 PREFILL_ATTENTION_BACKENDS = ("auto", "kernel", "blocked", "sdpa")
 # kernel: our C++ bfloat16 matmul for steps of at most 48 tokens (CPU with AVX512-BF16);
-# widen: half-precision weights computed in float32 from 16 rows up (CPUs without native
-# bfloat16, where half-precision matmuls are emulated); torch: nn.Linear (oneDNN on CPU);
-# auto: the first of these that applies here (see radixserve/layers/linear.py).
-MATMUL_BACKENDS = ("auto", "kernel", "skinny-float", "widen", "torch")
+# float-panels: our C++ float32 matmul on weights packed into 16-row panels, any row count (CPU
+# with AVX2+FMA+F16C or AVX-512F); widen: half-precision weights computed in float32 from 16
+# rows up (CPUs without native bfloat16, where half-precision matmuls are emulated); torch:
+# nn.Linear (oneDNN on CPU); auto: the first of these that applies here (see
+# radixserve/layers/linear.py).
+MATMUL_BACKENDS = ("auto", "kernel", "float-panels", "widen", "torch")
+# Former names, still accepted and taken as the backend they map to.
+MATMUL_BACKEND_ALIASES = {"skinny-float": "float-panels"}
 # auto: GGUF matrices in a format our kernel executes (radixserve/layers/quantized.py) stay in
 # the file's blocks and run as they are; none: every tensor is dequantized to the compute
 # dtype at load (the reference path); int8, int4: as auto, and float matrices (HF safetensors,
@@ -88,6 +92,7 @@ class EngineConfig:
     debug_invariants: bool = False  # check the slot-accounting invariant at every idle step
 
     def __post_init__(self) -> None:
+        self.matmul_backend = MATMUL_BACKEND_ALIASES.get(self.matmul_backend, self.matmul_backend)
         self.validate()
 
     def validate(self) -> None:

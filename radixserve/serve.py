@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, TypeVar
 from radixserve.config import (
     ATTENTION_BACKENDS,
     DTYPES,
+    MATMUL_BACKEND_ALIASES,
     MATMUL_BACKENDS,
     PREFILL_ATTENTION_BACKENDS,
     PREFIX_CACHE_MODES,
@@ -109,9 +110,12 @@ def _model_flags(model: argparse._ArgumentGroup) -> None:
                             "blocked (blocked causal attention on bfloat16 matmuls; CPU, "
                             "bfloat16/float16), sdpa (PyTorch's SDPA, any device), auto (the "
                             "first that applies)")
-    model.add_argument("--matmul-backend", choices=MATMUL_BACKENDS, default="auto",
+    model.add_argument("--matmul-backend", choices=[*MATMUL_BACKENDS, *MATMUL_BACKEND_ALIASES],
+                       default="auto",
                        help="projections: kernel (C++ bfloat16 matmul for steps of at most 48 "
-                            "tokens, CPUs with AVX512-BF16), widen (half-precision weights "
+                            "tokens, CPUs with AVX512-BF16), float-panels (C++ float32 matmul "
+                            "on 16-row weight panels, any row count, CPUs with AVX2 or AVX-512; "
+                            "skinny-float is its former name, still accepted), widen (half-precision weights "
                             "computed in float32 from 16 rows up, CPUs without native "
                             "bfloat16), torch (nn.Linear), auto (the first that applies)")
     model.add_argument("--quantization", choices=QUANTIZATIONS,

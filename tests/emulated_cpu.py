@@ -32,7 +32,7 @@ ARENA = 0x1000_0000  # guest address of every call's arena
 _STACK, _STACK_BYTES = 0x7F00_0000, 256 * 1024
 _EXIT = 0x7E00_0000  # the return address: a page holding one hlt
 _PAGE = 4096
-_KERNELS = Path(__file__).parent.parent / "radixserve" / "kernels"
+_KERNELS = Path(__file__).parent.parent / "radixserve" / "kernels" / "csrc"
 _SOURCES = [Path(__file__).with_name(name)
             for name in ("emulated_kernels.cpp", "emulated_libc.cpp")]
 _GUARD = 4096  # zero bytes after each arena that no call may write

@@ -8,10 +8,10 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "decode_attention_avx512.h"
-#include "gguf_matmul_avx512.cpp"
-#include "skinny_float_paths.h"
-#include "skinny_matmul_avx512bf16.h"
+#include "attention/attention_avx512.h"
+#include "gguf/gguf_matmul_avx512.cpp"
+#include "float_panels/float_panels_paths.h"
+#include "bf16_matmul/skinny_matmul_avx512bf16.h"
 
 extern "C" {
 
@@ -48,15 +48,15 @@ void rs_gguf_panels(const GgufCall* c) {
     }
 }
 
-static_assert(sizeof(radixserve::skinny_float::Problem) == 48 &&
-                  offsetof(radixserve::skinny_float::Problem, out) == 40,
+static_assert(sizeof(radixserve::float_panels::Problem) == 48 &&
+                  offsetof(radixserve::float_panels::Problem, out) == 40,
               "packed as <Q3qQQ");
 
 // skinny_float's AVX-512 path over panels [p0, p1) of w, whose type is 0 float32, 1 float16
 // or 2 bfloat16.
-void rs_skinny_float(const radixserve::skinny_float::Problem* problem, const void* w,
+void rs_skinny_float(const radixserve::float_panels::Problem* problem, const void* w,
                      int64_t type, int64_t p0, int64_t p1) {
-  using namespace radixserve::skinny_float;
+  using namespace radixserve::float_panels;
   if (type == 0)
     panels_vector<Avx512>(*problem, static_cast<const float*>(w), p0, p1);
   else if (type == 1)

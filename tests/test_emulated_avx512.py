@@ -2,7 +2,7 @@
 x86-64 machine: the GGUF matmul's AVX-512 VNNI path and skinny_float's AVX-512 path must give
 the portable path's bits, as on real hardware; the attention kernel's AVX-512 and AVX512-BF16
 row functions and skinny_matmul's AVX512-BF16 tiles must match float64 (test_gguf_kernels,
-test_skinny_float, test_paged_attention and test_kernels run them natively where the CPU has
+test_float_panels, test_paged_attention and test_kernels run them natively where the CPU has
 AVX-512). The matmuls' oracle runs
 natively: the same inputs through the library's portable path. One image build per module and
 one emulator process per test.
@@ -19,7 +19,7 @@ import pytest
 import torch
 from emulated_cpu import Arena, Call, EmulationFault, read
 
-from radixserve.kernels import gguf_ops, skinny_float_ops
+from radixserve.kernels import float_panel_ops, gguf_ops
 
 if (why := emulated_cpu.missing()) is not None:
     pytest.skip(why, allow_module_level=True)
@@ -29,7 +29,7 @@ from test_gguf_kernels import FORMATS, _block, _shapes, _weights, gguf  # noqa: 
 pytestmark = [pytest.mark.emulated, pytest.mark.slow]
 
 GGUF = gguf_ops()
-FLOAT = skinny_float_ops()
+FLOAT = float_panel_ops()
 # Tiles of 4 activation rows (Q6_K: 2) and single rows, within chunks of rows as gguf_linear
 # cuts them (rows from r0 > 0 included).
 GGUF_ROWS = [(1, 1), (3, 3), (4, 4), (9, 9), (9, 5), (19, 8)]  # (rows, chunk)
@@ -107,7 +107,7 @@ def test_gguf_kernel_needs_vnni(image: Path):
 
 
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
-def test_skinny_float_avx512_path_gives_the_portable_bits(image: Path, bias: bool):
+def test_float_panels_avx512_path_gives_the_portable_bits(image: Path, bias: bool):
     """Every weight type, row counts across the tile shapes, N and K odd, with and without a
     bias, against the native portable path. The 20 panels (the last partial) are split between
     two calls as between threads, 11 and 9, so that 1-3 rows run tiles of 8 (3 rows: 6) panels

@@ -1,4 +1,4 @@
-"""The GGUF quantized kernels (gguf_pack.cpp, gguf_matmul*.cpp) against gguf-py.
+"""The GGUF quantized kernels (csrc/gguf/) against gguf-py.
 
 Blocks come from gguf.quants.quantize (Q8_0, Q4_0, Q4_1) or are built by hand (Q4_K, Q6_K,
 which gguf-py cannot quantize), with edge blocks; the oracle is gguf.quants.dequantize. Packing
@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from radixserve.kernels import QUANT_PATHS, PanelArena, gguf_ops
+from radixserve.kernels import PanelArena, gguf_ops, path_names
 from radixserve.kernels.cpu import cpu_flags
 
 gguf = pytest.importorskip("gguf")
@@ -32,6 +32,11 @@ FORMATS = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K]
 K_QUANTS = (Q.Q4_K, Q.Q6_K)  # blocks of 256
 ROW_COUNTS = [1, 2, 3, 4, 5, 7, 8, 15, 16, 17, 33, 64, 65, 300]  # tiles of 1, 2, 4; 256-row chunks
 BEST = OPS.path() if OPS else 0  # this CPU's path
+
+
+def _path(index: int) -> str:
+    names = path_names("gguf")  # ("portable",) alone where the library cannot be built
+    return names[index] if index < len(names) else f"path {index}"
 
 
 def _block(kind: Q) -> int:
@@ -212,7 +217,7 @@ def test_q4k_scales_follow_the_published_layout():
 
 
 @pytest.mark.parametrize("block", [32, 256])
-@pytest.mark.parametrize("path", range(BEST + 1), ids=lambda p: QUANT_PATHS[p])
+@pytest.mark.parametrize("path", range(BEST + 1), ids=_path)
 def test_activation_quantization_matches_numpy(path, block):
     x = torch.randn(6, 512) * torch.logspace(-3, 2, 6)[:, None]
     x[1] = 0  # a zero row
@@ -257,13 +262,13 @@ def test_linear_matches_float64(kind, shape, bias):
         assert (np.abs(got.double().numpy() - exact) <= 0.02 * norms).all()
 
 
-@pytest.mark.parametrize("path", [1, 2, 3], ids=lambda p: QUANT_PATHS[p])
+@pytest.mark.parametrize("path", [1, 2, 3], ids=_path)
 @pytest.mark.parametrize("kind", FORMATS, ids=lambda k: k.name)
 def test_vector_paths_equal_the_portable_path_bitwise(kind, path):
     if path > BEST:
         where = ("on an emulated CPU in test_emulated_avx512.py" if path == 2 else
                  "on a CPU with AMX-INT8, such as Intel Xeon from Sapphire Rapids on")
-        pytest.skip(f"this CPU runs {QUANT_PATHS[BEST]}: the {QUANT_PATHS[path]} path cannot "
+        pytest.skip(f"this CPU runs {_path(BEST)}: the {_path(path)} path cannot "
                     f"run here (natively on machines that have it; {where})")
     n, k = _shapes(kind)[0]
     raw, _ = _weights(n, k, kind, seed=3)
@@ -283,7 +288,7 @@ def test_the_amx_path_and_onednn_amx_matmuls_take_turns_on_one_thread():
     # releases the tiles after, and oneDNN's bfloat16 matmuls (AMX where it exists) must find
     # theirs again. Interleaved on one thread, neither result may move.
     if BEST < 3:
-        pytest.skip(f"this CPU runs {QUANT_PATHS[BEST]}: no AMX here (natively on CPUs with "
+        pytest.skip(f"this CPU runs {_path(BEST)}: no AMX here (natively on CPUs with "
                     "AMX-INT8; the emulated CPU has none)")
     raw, _ = _weights(64, 512, Q.Q4_K, seed=8)
     x = torch.randn(300, 512).bfloat16()

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from radixserve import LLM, SamplingParams
-from radixserve.kernels import SKINNY_MAX_ROWS, paged_attention_op, skinny_matmul_op
+from radixserve.kernels import SKINNY_MAX_ROWS, cpu_features, paged_attention_op, skinny_matmul_op
 from radixserve.kernels.cpu import has_fast_bf16
 from radixserve.layers.linear import (
     DenseLinear,
     Linear,
-    SkinnyFloatLinear,
+    PanelFloatLinear,
     SkinnyLinear,
     WideningLinear,
     choose_linear_method,
@@ -37,7 +37,15 @@ def test_library_builds_here_and_reports_the_cpu_level():
     expected = 0
     if {"avx512f", "avx512dq"} <= flags:
         expected = 2 if {"avx512bw", "avx512vl", "avx512_bf16"} <= flags else 1
-    assert torch.ops.radixserve.decode_attention_level() == expected
+    # The library's one probe agrees with the kernel's view of the CPU, flag by flag.
+    probed = cpu_features()
+    for flag in ("avx2", "fma", "f16c", "avx512f", "avx512dq", "avx512bw", "avx512vl",
+                 "avx512_vnni", "avx512_bf16"):
+        assert (flag in probed) == (flag in flags), flag
+    level = 0
+    if {"avx512f", "avx512dq"} <= probed:
+        level = 2 if {"avx512bw", "avx512vl", "avx512_bf16"} <= probed else 1
+    assert level == expected
     assert (MATMUL is not None) == (expected == 2)  # the matmul needs AVX512-BF16
 
 
@@ -130,12 +138,12 @@ def test_widening_method_runs_half_precision_in_float32_from_16_rows():
     assert WideningLinear.unavailable(cpu, torch.float32) is not None
     picked = choose_linear_method("auto", cpu, torch.bfloat16).name
     # The float kernel comes before widening wherever it has a vector path (its own tests are
-    # in test_skinny_float.py).
-    float_kernel = SkinnyFloatLinear.unavailable(cpu, torch.bfloat16) is None
-    assert picked == ("kernel" if MATMUL is not None else "skinny-float" if float_kernel
+    # in test_float_panels.py).
+    float_kernel = PanelFloatLinear.unavailable(cpu, torch.bfloat16) is None
+    assert picked == ("kernel" if MATMUL is not None else "float-panels" if float_kernel
                       else "widen" if emulated else "torch")
     assert choose_linear_method("auto", cpu, torch.float32).name == (
-        "skinny-float" if float_kernel else "torch")
+        "float-panels" if float_kernel else "torch")
     with pytest.raises(ValueError, match="matmul_backend='widen' needs a CPU and bfloat16"):
         choose_linear_method("widen", cpu, torch.float32)
     print(f"this CPU {'emulates' if emulated else 'has native'} bfloat16: auto picks {picked}")
@@ -185,7 +193,7 @@ def test_engine_decodes_through_the_skinny_matmul(model_path):
 _LOAD = ("import logging\nlogging.basicConfig(level=logging.INFO)\n"
          "import torch\nfrom radixserve.kernels import paged_attention_op\n"
          "op = paged_attention_op()\nprint('op:', op)\n"
-         "print('level:', torch.ops.radixserve.decode_attention_level() if op else None)\n")
+         "print('path:', torch.ops.radixserve.kernel_best_path('attention') if op else None)\n")
 
 
 def _python(code: str, home, **env) -> subprocess.Popen:
@@ -195,11 +203,12 @@ def _python(code: str, home, **env) -> subprocess.Popen:
     )
 
 
-# The build and its lock with one self-contained source (the attention kernel): compiling the
+# The build and its lock with the attention kernel and the CPU probe it asks alone: compiling the
 # whole library takes a minute on 2 cores, and every other test already builds it in-process.
 _LOAD_ATTENTION_ONLY = (
-    "import radixserve.kernels as kernels\n"
-    "kernels._SOURCES = [s for s in kernels._SOURCES if s.name == 'decode_attention.cpp']\n"
+    "import radixserve.kernels.build as build\n"
+    "build.SOURCES = [s for s in build.SOURCES\n"
+    "                 if s.name in ('attention.cpp', 'cpu_features.cpp')]\n"
     + _LOAD)
 
 

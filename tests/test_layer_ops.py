@@ -1,4 +1,4 @@
-"""The fused layer ops (radixserve/kernels/layer_ops.cpp) against the PyTorch ops they
+"""The fused layer ops (radixserve/kernels/csrc/layer_ops/layer_ops.cpp) against the PyTorch ops they
 replace, and the model's use of them."""
 
 from __future__ import annotations

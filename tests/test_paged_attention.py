@@ -1,4 +1,4 @@
-"""Attention over the paged pool by our C++ kernel (radixserve/kernels/decode_attention.cpp),
+"""Attention over the paged pool by our C++ kernel (radixserve/kernels/csrc/attention/attention.cpp),
 for decode rows and prefill rows: every vector path against float64, a row's bits
 independent of the rows around it (what makes cache on == off exact), its input checks, and
 the engine through it against the PyTorch paths."""
@@ -13,13 +13,14 @@ import torch
 
 from radixserve import LLM, SamplingParams
 from radixserve.engine.request import Request
-from radixserve.kernels import ATTENTION_PATHS, attention_path, paged_attention_op
+from radixserve.kernels import attention_path, paged_attention_op, path_names
 from radixserve.model.decoder_stack import DecoderStack
 from tests.support.engine import cpu_flags
 
 pytestmark = [pytest.mark.model]
 
 OP = paged_attention_op()
+ATTENTION_PATHS = path_names("attention")
 PATHS = range(len(ATTENTION_PATHS))
 
 

@@ -107,7 +107,7 @@ def test_the_decoder_stack_gives_the_python_layers_bits(which, request, monkeypa
     # rows), and through a step of more rows than the stack's MLP takes at a time (256).
     llm = request.getfixturevalue(which)
     model = llm.engine.model
-    if which == "reference" and model.linear_method.name != "skinny-float":
+    if which == "reference" and model.linear_method.name != "float-panels":
         pytest.skip(f"float panels need AVX2 or AVX-512 ({model.linear_method.name} runs "
                     "here, which has no C++ form: the Python layers run)")
     assert model.stack is not None

@@ -15,7 +15,8 @@ from radixserve.kernels import layer_ops
 from radixserve.kernels.cpu import has_fast_bf16
 from radixserve.layers.attention import AttentionEnv, StepAttention, choose_attention
 from radixserve.layers.linear import choose_linear_method
-from radixserve.layers.quantized import EXECUTED_TYPES, REPACKED_TYPES, QuantizedLinear
+from radixserve.layers.quantized import QuantizedLinear
+from radixserve.layers.quantized_weight import EXECUTED_TYPES, REPACKED_TYPES
 from radixserve.model.config import ModelConfig
 from radixserve.model.default_model import resolve_model_path
 from radixserve.model.llama import LlamaModel

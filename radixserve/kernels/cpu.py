@@ -1,7 +1,8 @@
 """What this CPU can do fast, read once from the kernel's view (/proc/cpuinfo flags).
 
 The engine asks it which dtype to default to; the kernels' own code paths are picked inside
-the C++ library by the same flags (vector.h's cpu_level), so both agree.
+the C++ library by its one probe of the same features (csrc/common/cpu_features.cpp; `kernels.cpu_features`
+lists what it found).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ def cpu_flags() -> frozenset[str]:
 
 def has_fast_bf16() -> bool:
     """Native bfloat16 dot products (AVX512-BF16 or AMX): there bfloat16 matmuls beat float32
-    (about 2.4x on this project's machines); elsewhere they are emulated and slower."""
+    (benchmarks/bench_linear_methods.py); elsewhere they are emulated and slower."""
     return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 

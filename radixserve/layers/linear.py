@@ -2,7 +2,7 @@
 
 A model's projection is a `Linear` layer holding its weight; how `y = x W^T + b` is computed
 is its `LinearMethod`'s business, so a layer never knows whether it runs on oneDNN, on our
-skinny bfloat16 kernel, on our float32 kernel, widened to float32 or on quantized weights.
+skinny bfloat16 kernel, on our float32 kernel over packed panels, widened to float32 or on quantized weights.
 A method may repack the weights once after loading (`prepare`) and decides per call, from the
 input's shape, which path to take.
 
@@ -15,24 +15,22 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixserve.kernels import SKINNY_MAX_ROWS, PanelArena, skinny_float_ops, skinny_matmul_op
+from radixserve.kernels import SKINNY_MAX_ROWS, PanelArena, float_panel_ops, skinny_matmul_op
 from radixserve.kernels.cpu import has_fast_bf16
-
-if TYPE_CHECKING:
-    from radixserve.layers.quantized import PackedParts, QuantizedWeight
+from radixserve.layers.quantized_weight import PackedParts, QuantizedWeight
 
 
 @dataclass(frozen=True)
 class NativeProjection:
     """How C++ runs a layer's projection with the arithmetic its method's `apply` has (for the
-    decoder stack, radixserve/kernels/decoder_stack.cpp): `kind` GGUF_PARTS is gguf_linear's
-    arguments (`panels`, `types`, `rows`), FLOAT_PANELS skinny_float_linear's (one tensor of
+    decoder stack, radixserve/kernels/csrc/decoder_stack/decoder_stack.cpp): `kind` GGUF_PARTS is gguf_linear's
+    arguments (`panels`, `types`, `rows`), FLOAT_PANELS float_panels_linear's (one tensor of
     panels, a float32 bias)."""
 
     GGUF_PARTS: ClassVar[int] = 0  # the C++ side's Kind values
@@ -83,9 +81,10 @@ class DenseLinear(LinearMethod):
 
 class SkinnyLinear(DenseLinear):
     """Our C++ bfloat16 matmul for inputs of at most SKINNY_MAX_ROWS rows (decode steps):
-    it streams each weight matrix once, where oneDNN reads the weights at well under half the
-    memory bandwidth at these row counts. Larger inputs, and shapes the kernel does not take
-    (in_features % 32, out_features % 16), go to oneDNN."""
+    it streams each weight matrix once, where oneDNN reads the weights well under the memory
+    bandwidth at these row counts (benchmarks/bench_skinny_matmul.py measures both). Larger
+    inputs, and shapes the kernel does not take (in_features % 32, out_features % 16), go to
+    oneDNN."""
 
     name = "kernel"
 
@@ -110,14 +109,13 @@ class SkinnyLinear(DenseLinear):
         return super().apply(layer, x)
 
 
-class SkinnyFloatLinear(LinearMethod):
-    """Our C++ float matmul (skinny_float.cpp) for every row count, on CPUs with AVX2+FMA+F16C
+class PanelFloatLinear(LinearMethod):
+    """Our C++ float matmul (kernels/csrc/float_panels/) for every row count, on CPUs with AVX2+FMA+F16C
     or AVX-512F: where bfloat16 dot products are missing (AVX2-only machines), oneDNN emulates
-    half-precision matmuls (6 GFLOP/s for a one-row LM head) and runs float32 ones well under
-    the memory bandwidth from 1 to 64 rows. This kernel streams each weight once and widens it
-    in registers, computing in float32. Measured on a 2-core AVX2 EPYC against oneDNN float32
-    (benchmarks/bench_skinny_matmul.py), bfloat16 weights: 3-4.5x at 1 row, 2-8x at 4-16,
-    1.2-1.9x at 64, 0.93-1.2x at 512; so it runs every row count, prefill included.
+    half-precision matmuls and runs float32 ones well under the memory bandwidth at few rows.
+    This kernel streams each weight once and widens it in registers, computing in float32; it
+    keeps up with oneDNN float32 at prefill sizes too, so it runs every row count
+    (benchmarks/bench_skinny_matmul.py compares them by row count).
 
     `prepare` repacks each weight into panels of 16 output rows, held at the narrowest width
     that keeps every value: bfloat16 for a BF16 file, float16 for an F16 one (2 bytes per
@@ -128,14 +126,14 @@ class SkinnyFloatLinear(LinearMethod):
     count or vector path: cache on == cache off holds exactly through the projections. Inputs
     in bfloat16 or float16 are widened and the results rounded once."""
 
-    name = "skinny-float"
+    name = "float-panels"
 
     def __init__(self, max_path: int | None = None) -> None:
-        ops = skinny_float_ops()
+        ops = float_panel_ops()
         if ops is None:
             raise ValueError("the C++ kernels could not be built here")
         self.ops = ops
-        # The most vectorised path allowed (an index of FLOAT_PATHS; tests pin each one).
+        # The most vectorised path allowed (an index of path_names("float_panels"); tests pin each one).
         self.max_path = ops.path() if max_path is None else max_path
         self.held: dict[torch.dtype, int] = {}  # matrices prepared, by the dtype kept
         self.arena = PanelArena()  # the model's panels side by side, on huge pages
@@ -144,7 +142,7 @@ class SkinnyFloatLinear(LinearMethod):
     def unavailable(cls, device: torch.device, dtype: torch.dtype) -> str | None:
         if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16, torch.float16):
             return f"a CPU and a float dtype (this engine runs {dtype} on {device})"
-        ops = skinny_float_ops()
+        ops = float_panel_ops()
         if ops is None:
             return "the C++ kernels, which could not be built here (see the log)"
         if ops.path() == 0:
@@ -196,7 +194,7 @@ def narrowest_exact_dtype(weight: torch.Tensor) -> torch.dtype:
 
 class PanelEmbedding(nn.Module):
     """The token embedding table of a model whose LM head shares it (tied weights), read from
-    the head's panels once SkinnyFloatLinear has repacked them: the table is then held once,
+    the head's panels once PanelFloatLinear has repacked them: the table is then held once,
     at the panels' width, instead of beside them. Row t is column t % 16 of panel t // 16,
     bitwise the table's row (panels keep every value)."""
 
@@ -216,14 +214,15 @@ class PanelEmbedding(nn.Module):
 class WideningLinear(DenseLinear):
     """Half-precision weights on a CPU without native bfloat16/float16 dot products (AVX2-only
     machines). There oneDNN emulates half-precision matmuls: fine for a few rows, which are
-    bound by reading the weights (half the bytes of float32), but 7x slower than float32 for
-    a 1,000-row prefill. From `min_rows` rows up this method widens the weights to float32 for
-    the call and rounds the result back: the same products, accumulated in float32 as the
-    emulation does, at float32 speed."""
+    bound by reading the weights (half the bytes of float32), but far slower than float32 for
+    a long prefill. From `min_rows` rows up this method widens the weights to float32 for the
+    call and rounds the result back: the same products, accumulated in float32 as the
+    emulation does, at float32 speed (benchmarks/bench_linear_methods.py measures the
+    crossing)."""
 
     name = "widen"
-    # Measured on an AVX2 EPYC, SmolLM2's shapes: the emulated matmul wins up to 8 rows (the
-    # widening costs one pass over the weights), float32 from 16 rows (0.49 vs 1.11 ms).
+    # Below this the emulated matmul wins: widening costs one pass over the weights, which
+    # only enough rows pay back (the crossing: benchmarks/bench_linear_methods.py).
     min_rows = 16
 
     @classmethod
@@ -242,7 +241,7 @@ class WideningLinear(DenseLinear):
 
 
 # In preference order: `auto` takes the first available.
-LINEAR_METHODS: list[type[LinearMethod]] = [SkinnyLinear, SkinnyFloatLinear, WideningLinear,
+LINEAR_METHODS: list[type[LinearMethod]] = [SkinnyLinear, PanelFloatLinear, WideningLinear,
                                             DenseLinear]
 
 
@@ -276,7 +275,7 @@ class Linear(nn.Module):
         self.weight: nn.Parameter | None = nn.Parameter(torch.empty(out_features, in_features))
         self.bias: nn.Parameter | None
         self.register_parameter("bias", nn.Parameter(torch.empty(out_features)) if bias else None)
-        # The weight repacked by a float method's `prepare` (SkinnyFloatLinear), in place of
+        # The weight repacked by a float method's `prepare` (PanelFloatLinear), in place of
         # `weight`.
         self.panels: nn.Parameter | None
         self.register_parameter("panels", None)
@@ -289,14 +288,14 @@ class Linear(nn.Module):
     def load_quantized(self, parts: list[QuantizedWeight]) -> None:
         """Takes the file's blocks (one matrix, or a fused projection's parts in output
         order) in place of a float weight."""
-        from radixserve.layers.quantized import merge_parts
-
         rows = sum(p.rows for p in parts)
         if rows != self.out_features or any(p.cols != self.in_features for p in parts):
             raise ValueError(f"quantized parts of {rows} rows x {parts[0].cols} do not fit a "
                              f"{self.out_features}x{self.in_features} projection")
         self.weight = None
-        self.quantized = merge_parts(parts)
+        # Each part stays on its own: the kernel takes a list of parts and writes each at its
+        # column offset, so nothing is concatenated, and row orders apply as panels gather.
+        self.quantized = list(parts)
         # Repack now, so that only one layer's copies of the file's blocks exist at a time.
         self.method.prepare(self)
 

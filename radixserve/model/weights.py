@@ -13,12 +13,8 @@ from torch import nn
 from tqdm import tqdm
 
 from radixserve.layers.linear import Linear, LinearMethod, PanelEmbedding
-from radixserve.layers.quantized import (
-    EXECUTED_TYPES,
-    PackedParts,
-    QuantizedEmbedding,
-    QuantizedWeight,
-)
+from radixserve.layers.quantized import QuantizedEmbedding
+from radixserve.layers.quantized_weight import EXECUTED_TYPES, PackedParts, QuantizedWeight
 from radixserve.model.config import ModelConfig
 from radixserve.model.decoder_stack import DecoderStack
 from radixserve.model.llama import LlamaModel, rope_inv_freq
@@ -62,7 +58,7 @@ def load_weights(model: LlamaModel, weights: dict[str, torch.Tensor | QuantizedW
             module.method.prepare(module)
     if tied and isinstance(model.embed_tokens, nn.Embedding) and \
             getattr(model.lm_head, "panels", None) is not None:
-        # The head was repacked into panels (skinny-float): read the table from them
+        # The head was repacked into panels (float-panels): read the table from them
         # rather than hold it twice.
         model.embed_tokens = PanelEmbedding(model.lm_head, dtype)
     model.stack = DecoderStack.build(model.config, model.ops,

@@ -1,11 +1,10 @@
 """Blocked causal prefill attention for bfloat16/float16 on CPU.
 
-PyTorch's CPU flash-attention kernel computes bfloat16/float16 in float32 matmuls (measured:
-the same 33 ms per layer for a 2,000-token prompt in either dtype), so half precision on CPU
-runs this blocked attention on the fast bfloat16 matmuls instead (13 ms). Where the CPU
-has no native bfloat16 dot products (AVX2-only machines), those matmuls are emulated and
-this attention is some 30x slower than SDPA (554 vs 18.5 ms for one layer of 1,000 tokens),
-so it is offered only where they exist. Chunks cut by a sliding window keep SDPA with an
+PyTorch's CPU flash-attention kernel computes bfloat16/float16 in float32 matmuls (as slow
+in either dtype), so half precision on CPU runs this blocked attention on the fast bfloat16
+matmuls instead. Where the CPU has no native bfloat16 dot products (AVX2-only machines),
+those matmuls are emulated and this attention is far slower than SDPA, so it is offered only
+where they exist. Chunks cut by a sliding window keep SDPA with an
 explicit mask.
 """
 

@@ -1,4 +1,4 @@
-"""Attention by our C++ kernel (radixserve/kernels/decode_attention.cpp), which reads keys and
+"""Attention by our C++ kernel (radixserve/kernels/csrc/attention/attention.cpp), which reads keys and
 values where they lie in the paged pool: no gather, no padding, no mask. One backend per role,
 one kernel: decode rows and prefill rows run the same arithmetic, row by row.
 
@@ -24,7 +24,7 @@ from typing import ClassVar, Literal
 import numpy as np
 import torch
 
-from radixserve.kernels import ATTENTION_PATHS, attention_path_for, paged_attention_op
+from radixserve.kernels import attention_path_for, paged_attention_op, path_names
 from radixserve.layers.attention.base import (
     AttentionBackend,
     AttentionEnv,
@@ -58,9 +58,9 @@ class PagedKernel(AttentionBackend):
         if op is None:
             raise ValueError("the attention kernel could not be built here")
         self.op: Callable[..., torch.Tensor] = op
-        # Most vectorised path allowed (an index of ATTENTION_PATHS); the kernel also stops at
+        # Most vectorised path allowed (an index of path_names("attention")); the kernel also stops at
         # what the CPU has. Tests lower it to check each path.
-        self.max_path = len(ATTENTION_PATHS) - 1
+        self.max_path = len(path_names("attention")) - 1
 
     @classmethod
     def unavailable(cls, env: AttentionEnv) -> str | None:
@@ -75,7 +75,7 @@ class PagedKernel(AttentionBackend):
         env = self.env
         path = attention_path_for(env.dtype, env.num_heads, env.num_kv_heads, env.head_dim,
                                   self.max_path)
-        return f"{self.name} ({ATTENTION_PATHS[path]})"
+        return f"{self.name} ({path_names('attention')[path]})"
 
     def plan(self, spans: list[SequenceSpan]) -> PagedRows:
         window = self.env.window

@@ -41,12 +41,12 @@ class TorchDecode(AttentionBackend):
         super().__init__(env)
         self.gathers = GatherPlanner(env.num_kv_heads, env.num_slots, env.device)
         # Below these, gathering a shared prefix once saves less than the extra kernels cost
-        # (measured: groups of two on 1,500-token prefixes made the step slower, not faster).
+        # (groups of two made the step slower, not faster).
         self.min_shared_prefix = 64
         self.min_group_size = 3
         # Own parts are padded to a multiple of 16: oneDNN builds a new matmul primitive for
-        # every new shape (0.4-1.3 ms each in bfloat16, measured, against 17-55 us for a cached
-        # one), and an unpadded length would be new at every step.
+        # every new shape (far dearer than reusing a cached one), and an unpadded length would
+        # be new at every step.
         self.length_bucket = 16
 
     def plan(self, spans: list[SequenceSpan]) -> list[DecodeGroup]:
@@ -58,8 +58,8 @@ class TorchDecode(AttentionBackend):
         rest; returns (members, shared prefix length, whether that prefix is one slot run).
 
         Requests are grouped by their first slot. Each group costs about twenty more kernels
-        per layer, so groups start at three requests: pairs measured slower than no group at
-        300- and 1,500-token prefixes alike.
+        per layer, so groups start at three requests: pairs ran slower than no group, short
+        prefixes and long alike.
         """
         if self.env.window:
             return [(spans, 0, False)]
@@ -151,8 +151,8 @@ class TorchDecode(AttentionBackend):
         shared_keys, shared_values = group.shared.take(cache.k), group.shared.take(cache.v)
         prefix = shared_keys.shape[1]
         pooled = q_by_head.reshape(heads, b * groups, dim)
-        # K @ q^T rather than q @ K^T: bmm copies a transposed view of the pool (4x slower
-        # in bfloat16, measured) but reads an untransposed one in place.
+        # K @ q^T rather than q @ K^T: bmm copies a transposed view of the pool (several times
+        # slower in bfloat16) but reads an untransposed one in place.
         shared_scores = torch.bmm(shared_keys, pooled.transpose(1, 2)).transpose(1, 2)
         shared_scores = shared_scores.float() * scale
         both = torch.cat(

@@ -12,7 +12,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "gguf_blocks.h"
+#include "gguf/gguf_blocks.h"
 
 #ifdef RS_X86
 namespace radixserve::gguf {
@@ -231,13 +231,9 @@ RS_AVX512VNNI void rows_of_panel(const uint8_t* panel, const QuantizedRows& a, i
 
 RS_AVX512VNNI void panel_avx512(const Format& f, const uint8_t* panel, const QuantizedRows& a,
                                 int64_t r0, int64_t rows, float* acc) {
-  switch (f.kind) {
-    case Kind::q8s: rows_of_panel<Kind::q8s>(panel, a, r0, rows, acc); break;
-    case Kind::q4: rows_of_panel<Kind::q4>(panel, a, r0, rows, acc); break;
-    case Kind::q4m: rows_of_panel<Kind::q4m>(panel, a, r0, rows, acc); break;
-    case Kind::q4k: rows_of_panel<Kind::q4k>(panel, a, r0, rows, acc); break;
-    case Kind::q6k: rows_of_panel<Kind::q6k>(panel, a, r0, rows, acc); break;
-  }
+  with_kind(f.kind, [&](auto kind) RS_AVX512VNNI {
+    rows_of_panel<decltype(kind)::value>(panel, a, r0, rows, acc);
+  });
 }
 
 }  // namespace radixserve::gguf

@@ -1,13 +1,12 @@
 // A model's decoder layers run by one call per step: the same kernels the Python layers call
-// (the GGUF or float matmuls, layer_ops.cpp's norms, rotation and K/V write, the paged
+// (the GGUF or float matmuls, layer_ops/layer_ops.cpp's norms, rotation and K/V write, the paged
 // attention), in the same order on the same tensors, so the result has the same bits; only
 // the Python between them goes.
 //
 // Why: a decode step's matmuls stream the weights, and every small call between them then
-// starts with cold caches. Measured on a 2-core AVX2 machine, a 576-float op right after a
-// large one costs 50-120 us instead of 4-7 us, and a Llama layer makes about twenty calls
-// through Python and the dispatcher between its four matmuls. SmolLM2-135M decoded at 11.1
-// ms/token, 8.7 GB/s of weights, against llama.cpp's 7.1 on the same file.
+// starts with cold caches: a small op right after a large one costs many times what it costs
+// alone, and a Llama layer makes about twenty calls through Python and the dispatcher between
+// its four matmuls (benchmarks/bench_vs_llama_cpp.py measures the decode this gives).
 //
 // The other kernels are reached through the dispatcher (one typed handle each, looked up once),
 // so each file keeps its kernels to itself.
@@ -63,7 +62,7 @@ class DecoderStack : public torch::CustomClassHolder {
   DecoderStack(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale)
       : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale),
         gguf_linear_(op<GGUFLinear>("radixserve::gguf_linear")),
-        float_linear_(op<FloatLinear>("radixserve::skinny_float_linear")),
+        float_linear_(op<FloatLinear>("radixserve::float_panels_linear")),
         rms_norm_(op<RMSNorm>("radixserve::rms_norm")),
         add_rms_norm_(op<AddRMSNorm>("radixserve::add_rms_norm")),
         silu_mul_(op<SiluMul>("radixserve::silu_mul")),
@@ -153,8 +152,8 @@ class DecoderStack : public torch::CustomClassHolder {
   // down(silu(gate) * up) of x, at most kMlpRows rows at a time. A prefill's gate_up output is
   // the step's largest tensor (64 KB a row for a 1B model): whole, 113 MB at 1,728 tokens,
   // above the size (32 MB) up to which glibc's malloc reuses freed memory, so each layer's
-  // was fresh pages from the kernel, faulted in and zeroed (750,000 page faults a 1,728-token
-  // step; chunked, the step took 0.85x the time). Rows are independent in every kernel here,
+  // was fresh pages from the kernel, faulted in and zeroed (hundreds of thousands of page
+  // faults a long prefill step). Rows are independent in every kernel here,
   // so the bits are the same; each chunk still reads every weight panel once for its rows.
   at::Tensor mlp(const Projection& gate_up, const Projection& down, const at::Tensor& x) const {
     const int64_t tokens = x.size(0);

@@ -34,13 +34,13 @@
 #include <type_traits>
 #include <vector>
 
-#include "decode_attention_amx.h"
-#include "decode_attention_avx512.h"
-#include "vector.h"
+#include "attention/attention_amx.h"
+#include "common/cpu_features.h"
+#include "attention/attention_avx512.h"
+#include "common/vector.h"
 
 namespace {
 
-using radixserve::cpu_level;
 #ifdef RS_X86
 using radixserve::attention::AmxScratch;
 using radixserve::attention::attend_amx;
@@ -88,7 +88,7 @@ void attend_portable(const float* q, const T* keys, const T* values, const int32
 
 #ifdef RS_X86
 // AVX2 + FMA (most CPUs without AVX-512): the same two passes as attend_avx512
-// (decode_attention_avx512.h), 8 floats at a time. Scores are summed four keys at a time and
+// (attention_avx512.h), 8 floats at a time. Scores are summed four keys at a time and
 // reduced together (hadd), not one horizontal sum per key.
 RS_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 RS_AVX2 inline __m256 load8(const c10::BFloat16* p) {
@@ -116,7 +116,7 @@ RS_AVX2 inline __m128 sum8x4(__m256 a, __m256 b, __m256 c, __m256 d) {
   return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
 }
 
-// e^x for x <= 0, as exp16 (decode_attention_avx512.h): the same Cephes polynomial, 2^n built
+// e^x for x <= 0, as exp16 (attention_avx512.h): the same Cephes polynomial, 2^n built
 // in the exponent bits.
 RS_AVX2 inline __m256 exp8(__m256 x) {
   x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
@@ -244,20 +244,13 @@ RS_AVX2 void attend_tile_avx2(const float* q, int64_t tile, const int64_t* n, co
 }
 #endif
 
-// The vector path (an index of the Python side's ATTENTION_PATHS): 0 portable C++, 1 AVX2 with
-// FMA, 2 AVX-512, 3 AVX-512 with BF16 (bfloat16 pools only; float32 ones run path 2 there), 4
-// that and AMX-BF16 tile multiplies (bfloat16 pools with head_dim 64 or 128 and 2 to 16 query
-// heads per kv head; others run path 3: with one query per kv head, a decode row's tile would
-// hold one query, and its decode attention took 1.5-1.7x path 3's time).
-inline int best_path() {
-  const int level = cpu_level();
-  if (level == 2 && radixserve::amx_usable(radixserve::kAmxBf16)) return 4;
-  if (level > 0) return level + 1;
-#ifdef RS_X86
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 1;
-#endif
-  return 0;
-}
+// The vector path (an index of the family's names in cpu_features.cpp, which also says what
+// each needs of the CPU): 0 portable C++, 1 AVX2 with FMA, 2 AVX-512, 3 AVX-512 with BF16
+// (bfloat16 pools only; float32 ones run path 2 there), 4 that and AMX-BF16 tile multiplies
+// (bfloat16 pools with head_dim 64 or 128 and 2 to 16 query heads per kv head; others run path
+// 3: with one query per kv head, a decode row's tile would hold one query, and runs slower
+// than path 3 (benchmarks/bench_decode_attention.py --compare-path)).
+inline int64_t best_path() { return radixserve::best_path(radixserve::Family::attention); }
 
 // The path a call runs at, for its dtype and shape: the vector paths take head_dim 64 and 128
 // (others run portable C++), path 3 only bfloat16 pools (float32 ones run path 2), path 4
@@ -300,11 +293,13 @@ std::vector<int64_t> split(const std::vector<int64_t>& cost, int64_t kv_heads) {
 // context lengths): a chunk's rows grow longer row by row, so equal counts of items would
 // leave one thread with most of the work. Items run kv head by kv head, and rows sharing a
 // prefix are adjacent (the runner orders them), so a thread reads a shared prefix from DRAM
-// once per head and finds it in cache for the next tile.
-template <typename T>
+// once per head and finds it in cache for the next tile. The path (and head_dim D of the vector
+// paths; 0 for the portable one, which takes any) is a template argument, chosen once per call
+// by `run_path`: the loop over work items holds no branch on it.
+template <typename T, int kPath, int D>
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
          const at::Tensor& slots, const at::Tensor& begins, const at::Tensor& lengths,
-         float scale, int path, at::Tensor& out) {
+         float scale, at::Tensor& out) {
   const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2);
   const int64_t kv_heads = k_cache.size(0), num_slots = k_cache.size(1);
   const int64_t groups = heads / kv_heads;
@@ -348,27 +343,19 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
       }
       const auto query = [&](int64_t i) { return qp + ((first + i) * heads + h * groups) * dim; };
 #ifdef RS_X86
-      if constexpr (std::is_same_v<T, c10::BFloat16>) {
-        if (path >= 3 && (dim == 64 || dim == 128)) {
-          for (int64_t i = 0; i < tile; ++i) {
-            if (dim == 64)
-              attend_bf16<64>(query(i), keys, values, tables[i], lp[first + i], groups, scale,
-                              scores.data(), probs.data(), totals.data(), outs[i]);
-            else
-              attend_bf16<128>(query(i), keys, values, tables[i], lp[first + i], groups, scale,
-                               scores.data(), probs.data(), totals.data(), outs[i]);
-          }
-          continue;
-        }
+      if constexpr (kPath == 3) {
+        for (int64_t i = 0; i < tile; ++i)
+          attend_bf16<D>(query(i), keys, values, tables[i], lp[first + i], groups, scale,
+                         scores.data(), probs.data(), totals.data(), outs[i]);
+        continue;
       }
 #endif
       for (int64_t i = 0; i < tile; ++i)
         for (int64_t j = 0; j < groups * dim; ++j) qf[i * groups * dim + j] = to_float(query(i)[j]);
 #ifdef RS_X86
-      if (path == 1 && (dim == 64 || dim == 128)) {
-        (dim == 64 ? attend_tile_avx2<T, 64> : attend_tile_avx2<T, 128>)(
-            qf.data(), tile, lp + first, keys, values, tables, groups, scale, scores.data(),
-            longest, acc.data(), outs);
+      if constexpr (kPath == 1) {
+        attend_tile_avx2<T, D>(qf.data(), tile, lp + first, keys, values, tables, groups, scale,
+                               scores.data(), longest, acc.data(), outs);
         continue;
       }
 #endif
@@ -376,14 +363,9 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
         const float* qi = qf.data() + i * groups * dim;
         const int64_t n = lp[first + i];
 #ifdef RS_X86
-        if (path >= 2 && dim == 64) {
-          attend_avx512<T, 64>(qi, keys, values, tables[i], n, groups, scale, scores.data(),
-                               outs[i]);
-          continue;
-        }
-        if (path >= 2 && dim == 128) {
-          attend_avx512<T, 128>(qi, keys, values, tables[i], n, groups, scale, scores.data(),
-                                outs[i]);
+        if constexpr (kPath == 2) {
+          attend_avx512<T, D>(qi, keys, values, tables[i], n, groups, scale, scores.data(),
+                              outs[i]);
           continue;
         }
 #endif
@@ -394,8 +376,32 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   });
 }
 
+// `run` at a call's path (from path_for: the vector paths only see head_dim 64 or 128, path 3
+// only bfloat16).
+template <typename T>
+void run_path(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+              const at::Tensor& slots, const at::Tensor& begins, const at::Tensor& lengths,
+              float scale, int path, at::Tensor& out) {
+  const bool d64 = q.size(2) == 64;
 #ifdef RS_X86
-// Path 4 (decode_attention_amx.h): tiles of up to 16 queries, the G query heads of up to 16 / G
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (path == 3)
+      return (d64 ? run<T, 3, 64> : run<T, 3, 128>)(q, k_cache, v_cache, slots, begins, lengths,
+                                                    scale, out);
+  }
+  if (path >= 2)
+    return (d64 ? run<T, 2, 64> : run<T, 2, 128>)(q, k_cache, v_cache, slots, begins, lengths,
+                                                  scale, out);
+  if (path == 1)
+    return (d64 ? run<T, 1, 64> : run<T, 1, 128>)(q, k_cache, v_cache, slots, begins, lengths,
+                                                  scale, out);
+#endif
+  (void)d64;
+  run<T, 0, 0>(q, k_cache, v_cache, slots, begins, lengths, scale, out);
+}
+
+#ifdef RS_X86
+// Path 4 (attention_amx.h): tiles of up to 16 queries, the G query heads of up to 16 / G
 // consecutive rows that read one table (the rows of a prefill chunk; a decode row alone). A
 // thread lays out a context once for the tiles that read it, kv head by kv head, and streams
 // a context that one tile reads.
@@ -508,20 +514,18 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
   }
 #endif
   if (q.scalar_type() == at::kFloat) {
-    run<float>(q, k_cache, v_cache, slots, begins, lengths, fscale, path, out);
+    run_path<float>(q, k_cache, v_cache, slots, begins, lengths, fscale, path, out);
   } else if (q.scalar_type() == at::kBFloat16) {
-    run<c10::BFloat16>(q, k_cache, v_cache, slots, begins, lengths, fscale, path, out);
+    run_path<c10::BFloat16>(q, k_cache, v_cache, slots, begins, lengths, fscale, path, out);
   } else {
     TORCH_CHECK(false, "paged_attention supports float32 and bfloat16");
   }
   return out;
 }
 
-int64_t attention_path() { return best_path(); }
 int64_t attention_path_for(bool bfloat16, int64_t groups, int64_t dim, int64_t max_path) {
   return path_for(bfloat16, groups, dim, max_path);
 }
-int64_t decode_attention_level() { return cpu_level(); }
 
 }  // namespace
 
@@ -529,8 +533,6 @@ TORCH_LIBRARY(radixserve, m) {
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, "
         "Tensor begins, Tensor lengths, float scale, int max_path) -> Tensor");
   m.impl("paged_attention", c10::DispatchKey::CPU, TORCH_FN(paged_attention));
-  m.def("attention_path() -> int", &attention_path);
   m.def("attention_path_for(bool bfloat16, int groups, int dim, int max_path) -> int",
         &attention_path_for);
-  m.def("decode_attention_level() -> int", &decode_attention_level);
 }

@@ -5,7 +5,7 @@
 
 #include <cstdint>
 
-#include "vector.h"
+#include "common/vector.h"
 
 #ifdef RS_X86
 namespace radixserve::amx {

@@ -1,7 +1,7 @@
-// decode_attention.cpp's AVX-512 paths for one (row, kv head): float32 or bfloat16 pools with
+// attention.cpp's AVX-512 paths for one (row, kv head): float32 or bfloat16 pools with
 // AVX-512F, and bfloat16 pools with AVX512-BF16 dot products. Free of ATen, so that a test can
 // build them alone for an emulated CPU (tests/emulated_cpu.py) as well as into the op; the
-// scratch they need comes from the caller. decode_attention.cpp says what a row computes.
+// scratch they need comes from the caller. attention.cpp says what a row computes.
 
 #pragma once
 
@@ -12,7 +12,7 @@
 #include <cstring>
 #include <limits>
 
-#include "vector.h"
+#include "common/vector.h"
 
 #ifdef RS_X86
 namespace radixserve::attention {
@@ -73,7 +73,7 @@ RS_AVX512 inline float max_of(const float* s, int64_t n) {
   return m;
 }
 
-// The same as decode_attention.cpp's attend_portable, 16 floats at a time; D (head_dim) is a
+// The same as attention.cpp's attend_portable, 16 floats at a time; D (head_dim) is a
 // multiple of 16.
 template <typename T, int D>
 RS_AVX512 void attend_avx512(const float* q, const T* keys, const T* values,

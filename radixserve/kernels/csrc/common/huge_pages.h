@@ -1,8 +1,8 @@
 // Weight buffers on 2 MB pages.
 //
 // A decode step streams every weight once, and on 4 KB pages that stream walks the page tables
-// every 4 KB: on a 2-core Xeon VM, two threads read 25-28 GB/s from 4 KB pages and 33-34 GB/s
-// from 2 MB pages (the same loop, prefetching 1-2 KB ahead). Linux gives 2 MB pages to memory
+// every 4 KB, so the same loop reads faster from 2 MB pages (tests/test_gguf_kernels.py checks
+// the pages; benchmarks/bench_quant_matmul.py measures the stream). Linux gives 2 MB pages to memory
 // marked MADV_HUGEPAGE before its first touch where transparent huge pages are "madvise" (the
 // common default); where they are "always" it would anyway, and where "never" or off Linux the
 // buffer is ordinary memory.

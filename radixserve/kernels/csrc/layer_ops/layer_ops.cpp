@@ -6,13 +6,14 @@
 // dispatch of the PyTorch kernels they are made of. F.rms_norm on the CPU is six of them
 // (pow, mean, add, rsqrt, mul, and the weight's mul), the rotation six more (two slices,
 // neg, cat, two muls and an add); between matmuls that stream megabytes each one starts cold.
-// Measured in the engine on a 1B Llama at batch 1, the norms alone took 64 us each, 2 ms a
-// token. Here each is one pass over the rows (threads split the rows of a prefill step).
+// At batch 1 the norms alone then cost a noticeable share of a token (benchmarks/
+// bench_engine.py measures the step). Here each is one pass over the rows (threads split the rows of a prefill step).
 //
 // Arithmetic: in float32 whatever the dtype (bfloat16 is read and rounded once on the way
 // out), in a fixed order per row, so a row's result does not depend on the rows beside it.
 // bfloat16 rows run 16 values at a time on CPUs with AVX512-BF16 (a prefill's norms and
-// products are megabytes: 3x the scalar loops' speed there), the same way for every row.
+// products are megabytes, and the scalar loops are far slower there), the same way for every
+// row.
 
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
@@ -31,7 +32,8 @@
 #include <tuple>
 #include <type_traits>
 
-#include "vector.h"
+#include "common/cpu_features.h"
+#include "common/vector.h"
 
 namespace {
 
@@ -101,7 +103,7 @@ RS_AVX512BF16 void mul_rows_bf16(c10::BFloat16* y, const c10::BFloat16* up, int6
 // Whether the bfloat16 rows above run here.
 inline bool bf16_rows() {
 #ifdef RS_X86
-  return radixserve::cpu_level() >= 2;
+  return radixserve::cpu_features().avx512_bf16();
 #else
   return false;
 #endif
@@ -301,7 +303,7 @@ void rotary_embedding_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor&
 
 // k_cache[h, slots[t]] = k[t, h] and the same for v: a step's new keys and values stored in
 // the head-major pool ([Hkv, S, D]), read where they lie in the qkv projection (any strides but
-// a contiguous last dim). Two index_copy_ calls did it at 10-16 us each, per layer.
+// a contiguous last dim), in one call instead of two index_copy_ calls per layer.
 void write_kv_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots,
                const at::Tensor& k, const at::Tensor& v) {
   for (const at::Tensor* c : {&k_cache, &v_cache})
@@ -340,8 +342,8 @@ void write_kv_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots
 }
 
 // torch.argmax(logits, dim=-1) of float32 [R, V]: the first index of the largest value, a NaN
-// counting as larger than any number (as torch's). One pass per row; torch's reduction took
-// 0.1 ms a row of 49k here, 2 ms a step at 32 rows.
+// counting as larger than any number (as torch's). One pass per row, where torch's reduction
+// is slower over a large vocabulary (benchmarks/bench_sampler.py).
 at::Tensor argmax_rows(const at::Tensor& logits) {
   TORCH_CHECK_VALUE(logits.device().is_cpu() && logits.scalar_type() == at::kFloat &&
                         logits.dim() == 2 && logits.is_contiguous() && logits.size(1) > 0,
@@ -406,7 +408,7 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
 
 // Sets logits[rows[m], v] to -inf for every token v that grammar mask m does not allow (bit
 // v % 32 of word v / 32 clear, or v past the mask). One pass over the masked rows: in PyTorch
-// the same took five kernels over [rows, vocab] and 4 ms a step at 16 constrained requests.
+// the same takes five kernels over [rows, vocab] (benchmarks/bench_structured_output.py).
 void apply_token_bitmask_(at::Tensor& logits, const at::Tensor& masks, const at::Tensor& rows) {
   TORCH_CHECK_VALUE(logits.device().is_cpu() && logits.scalar_type() == at::kFloat &&
                         logits.dim() == 2 && logits.is_contiguous(),

@@ -14,18 +14,17 @@
 //
 // A tile's K is one block (32 bytes; Q6_K's groups of 16: 16 bytes), since each block's int32
 // sums take their own scales; that per-block step (a tile store, the sums read back and
-// scaled on vectors), not the tile multiplies, bounds this path: about 85 cycles per block of
-// 8,192 products on Q8_0. Against the VNNI path: 1.9x on Q8_0 (before its sums stayed in
-// registers, 1.2x faster since), 1.7x on Q4_K (whose integer scales ride in the unpacked
-// weights) and Q6_K, 1.05x on Q4_0 and Q4_1 (BENCHMARKS.md). Two C tiles alternate, so that
+// scaled on vectors), not the tile multiplies, bounds this path. It gains most over the VNNI
+// path on Q8_0, Q4_K (whose integer scales ride in the unpacked weights) and Q6_K, least on
+// Q4_0 and Q4_1 (benchmarks/bench_quant_matmul.py --max-path). Two C tiles alternate, so that
 // one block's multiply runs while the other's sums are read out.
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 
-#include "amx.h"
-#include "gguf_blocks.h"
+#include "common/amx.h"
+#include "gguf/gguf_blocks.h"
 
 #ifdef RS_X86
 namespace radixserve::gguf {
@@ -52,8 +51,8 @@ alignas(64) constexpr TileConfig kConfig16 = config_for(16);
 constexpr int kGroup = 16;  // activation rows per tile
 constexpr int64_t kAheadBlocks = 8;  // Q8_0's weight prefetch distance (16 ran alike, 32 slower)
 constexpr int64_t kTileBytes = kGroup * 32;  // one block of 32 of a group's rows, in a.tiles
-// Groups of rows per unpack of a Q4 block or K-quant superblock: 4 (64 rows) ran 1.1x one
-// at a time; more were no faster (1B shapes, 64 and 512 rows).
+// Groups of rows per unpack of a Q4 block or K-quant superblock: sharing an unpack among 4
+// beat one at a time, more were no faster (benchmarks/bench_quant_matmul.py).
 constexpr int64_t kGroupsPerUnpack = 4;
 
 RS_AMX inline __m512i scales_u8(const uint8_t* p) {
@@ -141,7 +140,7 @@ RS_AMX void group_q8(const uint8_t* panel, const QuantizedRows& a, int64_t r0, f
   for (int64_t b = 0; b < blocks; b += 2) {
     // The weights come from memory (a decode step's batch reads each once): ask for two
     // blocks kAheadBlocks ahead, past the panel's end into the next one's. With the
-    // hardware's prefetch alone, 32 rows on cold weights ran 1.15x slower.
+    // hardware's prefetch alone, rows on cold weights ran slower.
     const char* ahead = reinterpret_cast<const char*>(panel + (b + kAheadBlocks) * stride);
     for (int64_t i = 0; i < 2 * stride; i += 64) _mm_prefetch(ahead + i, _MM_HINT_T0);
     if (b + 1 < blocks)
@@ -372,13 +371,9 @@ RS_AMX void panel_amx(const Format& f, const uint8_t* panel, const QuantizedRows
     // its own configuration between ours.
     const TileConfig* config = f.kind == Kind::q6k ? &kConfig16 : &kConfig32;
     RS_TILE_CONFIG(*config);
-    switch (f.kind) {
-      case Kind::q8s: groups<Kind::q8s>(panel, a, r0, count, acc); break;
-      case Kind::q4: groups<Kind::q4>(panel, a, r0, count, acc); break;
-      case Kind::q4m: groups<Kind::q4m>(panel, a, r0, count, acc); break;
-      case Kind::q4k: groups<Kind::q4k>(panel, a, r0, count, acc); break;
-      case Kind::q6k: groups<Kind::q6k>(panel, a, r0, count, acc); break;
-    }
+    with_kind(f.kind, [&](auto kind) RS_AMX {
+      groups<decltype(kind)::value>(panel, a, r0, count, acc);
+    });
     RS_TILE_RELEASE();  // a context switch then need not save the tiles
   }
   const int64_t done = count * kGroup;

@@ -1,13 +1,13 @@
 // y = x W^T (+ bias) for a few rows of x and bfloat16 weights, on the CPU.
 //
 // Why: a decode step multiplies a handful of rows (one per running request) by every weight
-// matrix. At 8 rows oneDNN reached about 21 GB/s of weight reads in the engine, under half of
-// what the memory delivers, and the weights are the whole cost of such a step. Here each
+// matrix. At such row counts oneDNN reads the weights well under what the memory delivers,
+// and the weights are the whole cost of such a step. Here each
 // thread streams its share of W's rows once and dots each row with every row of x (AVX512-BF16,
 // float32 sums), so a step costs about one read of the weights.
 //
-// x [M, K] and W [N, K] are bfloat16, K a multiple of 32, M at most kMaxRows: measured faster
-// than oneDNN up to 48 rows (1.5-1.7x at 1-24 rows, 1.2-1.4x at 32-48; even at 64); above that
+// x [M, K] and W [N, K] are bfloat16, K a multiple of 32, M at most kMaxRows, up to which it
+// beats oneDNN (benchmarks/bench_skinny_matmul.py); above that
 // the caller uses oneDNN, where the product is compute-bound and oneDNN is good at it.
 
 #include <ATen/Parallel.h>
@@ -18,8 +18,9 @@
 
 #include <cstdint>
 
-#include "skinny_matmul_avx512bf16.h"
-#include "vector.h"
+#include "common/cpu_features.h"
+#include "bf16_matmul/skinny_matmul_avx512bf16.h"
+#include "common/vector.h"
 
 namespace {
 
@@ -31,7 +32,7 @@ using radixserve::skinny_matmul::rows_block;
 
 at::Tensor skinny_matmul(const at::Tensor& x, const at::Tensor& weight,
                          const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(radixserve::cpu_level() >= 2, "skinny_matmul needs AVX512-BF16");
+  TORCH_CHECK(radixserve::cpu_features().avx512_bf16(), "skinny_matmul needs AVX512-BF16");
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16,
               "bfloat16 x and weight");

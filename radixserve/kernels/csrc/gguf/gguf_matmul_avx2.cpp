@@ -14,7 +14,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "gguf_blocks.h"
+#include "gguf/gguf_blocks.h"
 
 #ifdef RS_X86
 namespace radixserve::gguf {
@@ -769,13 +769,9 @@ RS_AVX2 void quantize_row256_avx2(const float* x, int64_t k, int8_t* q, float* d
 
 RS_AVX2 void panel_avx2(const Format& f, const uint8_t* panel, const QuantizedRows& a, int64_t r0,
                         int64_t rows, float* acc) {
-  switch (f.kind) {
-    case Kind::q8s: rows_of_panel<Kind::q8s>(panel, a, r0, rows, acc); break;
-    case Kind::q4: rows_of_panel<Kind::q4>(panel, a, r0, rows, acc); break;
-    case Kind::q4m: rows_of_panel<Kind::q4m>(panel, a, r0, rows, acc); break;
-    case Kind::q4k: rows_of_panel<Kind::q4k>(panel, a, r0, rows, acc); break;
-    case Kind::q6k: rows_of_panel<Kind::q6k>(panel, a, r0, rows, acc); break;
-  }
+  with_kind(f.kind, [&](auto kind) RS_AVX2 {
+    rows_of_panel<decltype(kind)::value>(panel, a, r0, rows, acc);
+  });
 }
 
 }  // namespace radixserve::gguf

@@ -1,4 +1,4 @@
-// decode_attention.cpp's AMX path: bfloat16 pools on CPUs with AMX-BF16, head_dim 64 or 128.
+// attention.cpp's AMX path: bfloat16 pools on CPUs with AMX-BF16, head_dim 64 or 128.
 // One call attends a tile of up to 16 queries (the query heads of one kv head, for the rows of
 // one context: a prefill chunk's rows, or one decode row) with tile multiplies:
 //
@@ -27,9 +27,9 @@
 #include <limits>
 #include <memory>
 
-#include "amx.h"
-#include "decode_attention_avx512.h"
-#include "vector.h"
+#include "common/amx.h"
+#include "attention/attention_avx512.h"
+#include "common/vector.h"
 
 #ifdef RS_X86
 namespace radixserve::attention {

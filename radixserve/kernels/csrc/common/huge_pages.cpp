@@ -1,6 +1,6 @@
 // Weight buffers on 2 MB pages (huge_pages.h says why).
 
-#include "huge_pages.h"
+#include "common/huge_pages.h"
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>

@@ -1,4 +1,4 @@
-"""The float matmul (skinny_float.cpp) and its linear method, SkinnyFloatLinear.
+"""The float matmul (radixserve/kernels/csrc/float_panels/) and its linear method, PanelFloatLinear.
 
 The kernel against a float64 product of the weights as held (bfloat16, float16 or float32),
 within the proven bound of a float32 FMA chain, for every row count its tiles special-case,
@@ -17,18 +17,19 @@ import pytest
 import torch
 
 from radixserve import LLM, SamplingParams
-from radixserve.kernels import FLOAT_PATHS, PanelArena, skinny_float_ops
+from radixserve.config import EngineConfig
+from radixserve.kernels import PanelArena, float_panel_ops, path_names
 from radixserve.kernels.cpu import cpu_flags, has_fast_bf16
 from radixserve.layers.linear import (
     Linear,
     PanelEmbedding,
-    SkinnyFloatLinear,
+    PanelFloatLinear,
     choose_linear_method,
 )
 
 pytestmark = [pytest.mark.model]
 
-OPS = skinny_float_ops()
+OPS = float_panel_ops()
 BEST = OPS.path() if OPS else 0  # this CPU's path
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 # 1-3: one tile of all rows over several panels; 4-6: one tile; then tiles as even as can be
@@ -40,9 +41,9 @@ SHAPES = [(37, 33), (16, 1), (200, 97), (960, 576)]
 
 def _paths() -> list:
     return [pytest.param(path, id=name, marks=pytest.mark.skipif(
-        path > BEST, reason=f"this CPU runs the {FLOAT_PATHS[BEST]} path: {name} is checked "
+        path > BEST, reason=f"this CPU runs the {path_names('float_panels')[BEST]} path: {name} is checked "
         "natively on machines that have it (avx512 also on an emulated CPU in "
-        "test_emulated_avx512.py)")) for path, name in enumerate(FLOAT_PATHS)]
+        "test_emulated_avx512.py)")) for path, name in enumerate(path_names("float_panels"))]
 
 
 def _weights(n: int, k: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
@@ -77,7 +78,7 @@ def test_pack_puts_16_rows_k_major_and_pads_with_zeros():
     panels = OPS.pack(big, torch.bfloat16)
     assert panels.data_ptr() % (2 << 20) == 0 or sys.platform != "linux"
     assert torch.equal(panels[64, :, 15], big[64 * 16 + 15].to(torch.bfloat16))
-    # Through an arena (as SkinnyFloatLinear packs a model), small weights lie side by side.
+    # Through an arena (as PanelFloatLinear packs a model), small weights lie side by side.
     arena = PanelArena()
     first, second = OPS.pack(weight, torch.float16, arena), OPS.pack(weight, torch.float32, arena)
     assert torch.equal(first, OPS.pack(weight, torch.float16))
@@ -163,7 +164,7 @@ def test_bad_input_is_refused():
 # ----- the linear method -----
 
 
-def _layer(weight: torch.Tensor, bias: bool, method: SkinnyFloatLinear) -> Linear:
+def _layer(weight: torch.Tensor, bias: bool, method: PanelFloatLinear) -> Linear:
     layer = Linear(weight.shape[1], weight.shape[0], bias, method)
     layer.weight = torch.nn.Parameter(weight.clone())
     if bias:
@@ -177,7 +178,7 @@ def test_method_keeps_each_weight_at_the_narrowest_exact_width():
     # float16, both exactly; values neither holds keep float32.
     gen = torch.Generator().manual_seed(5)
     values = torch.randn(40, 64, generator=gen)
-    method = SkinnyFloatLinear()
+    method = PanelFloatLinear()
     cases = {torch.bfloat16: values.bfloat16().float(), torch.float16: values.half().float(),
              torch.float32: values}
     for held, weight in cases.items():
@@ -187,24 +188,24 @@ def test_method_keeps_each_weight_at_the_narrowest_exact_width():
         x = torch.randn(5, 64)
         exact = x.double() @ weight.double().t() + layer.bias.double()
         assert (layer(x).double() - exact).abs().max() < 1e-4
-    assert method.describe() == (f"skinny-float on the {OPS.path_name()} path (weights: "
+    assert method.describe() == (f"float-panels on the {OPS.path_name()} path (weights: "
                                  "1 bfloat16, 1 float16, 1 float32)")
 
 
 def test_a_tied_table_reads_its_rows_from_the_head_panels():
     table = _weights(37, 24, torch.bfloat16).float()
-    head = _layer(table, False, SkinnyFloatLinear())
+    head = _layer(table, False, PanelFloatLinear())
     embedding = PanelEmbedding(head, torch.float32)
     assert embedding.panels is head.panels and embedding.num_embeddings == 37
     ids = torch.tensor([[0, 15, 16], [36, 17, 5]])
     assert torch.equal(embedding(ids), table[ids])
     with pytest.raises(ValueError, match="no panels"):
-        PanelEmbedding(Linear(24, 37, False, SkinnyFloatLinear()), torch.float32)
+        PanelEmbedding(Linear(24, 37, False, PanelFloatLinear()), torch.float32)
 
 
 def test_method_takes_half_precision_inputs_and_rounds_once():
     weight = _weights(48, 64, torch.bfloat16).float()
-    layer = _layer(weight, True, SkinnyFloatLinear())
+    layer = _layer(weight, True, PanelFloatLinear())
     x = torch.randn(9, 2, 64).bfloat16()  # any leading shape
     out = layer(x)
     assert out.dtype == torch.bfloat16 and out.shape == (9, 2, 48)
@@ -213,24 +214,24 @@ def test_method_takes_half_precision_inputs_and_rounds_once():
 
 
 def test_method_refuses_an_unprepared_layer_and_what_it_cannot_run():
-    layer = Linear(64, 32, False, SkinnyFloatLinear())
+    layer = Linear(64, 32, False, PanelFloatLinear())
     with pytest.raises(RuntimeError, match="prepare"):
         layer(torch.randn(2, 64))
     cpu = torch.device("cpu")
-    assert "float dtype" in SkinnyFloatLinear.unavailable(torch.device("meta"), torch.float32)
-    assert "float dtype" in SkinnyFloatLinear.unavailable(cpu, torch.int8)
+    assert "float dtype" in PanelFloatLinear.unavailable(torch.device("meta"), torch.float32)
+    assert "float dtype" in PanelFloatLinear.unavailable(cpu, torch.int8)
 
 
 def test_auto_picks_it_where_bfloat16_dot_products_are_missing():
     cpu = torch.device("cpu")
     has_path = BEST > 0
-    assert (SkinnyFloatLinear.unavailable(cpu, torch.float32) is None) == has_path
+    assert (PanelFloatLinear.unavailable(cpu, torch.float32) is None) == has_path
     assert choose_linear_method("auto", cpu, torch.float32).name == (
-        "skinny-float" if has_path else "torch")
+        "float-panels" if has_path else "torch")
     if not has_fast_bf16():  # AVX512-BF16 machines run bfloat16 on the bfloat16 kernel
         assert choose_linear_method("auto", cpu, torch.bfloat16).name == (
-            "skinny-float" if has_path else "widen")
-    assert choose_linear_method("skinny-float", cpu, torch.float32).max_path == BEST
+            "float-panels" if has_path else "widen")
+    assert choose_linear_method("float-panels", cpu, torch.float32).max_path == BEST
 
 
 # ----- the engine -----
@@ -261,7 +262,7 @@ def test_engine_holds_a_half_precision_file_at_two_bytes_per_parameter(dtype, tm
     llm = LLM(str(directory), dtype="float32", matmul_backend="auto", kv_cache_tokens=2048,
               quantization="none", show_progress=False)
     model = llm.engine.model
-    if model.linear_method.name != "skinny-float":
+    if model.linear_method.name != "float-panels":
         pytest.skip(f"auto runs {model.linear_method.name} on this CPU")
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert len(linears) == 4 * 2 + 1 and all(m.panels.dtype == dtype for m in linears)
@@ -287,7 +288,7 @@ def test_engine_default_model_agrees_with_onednn(model_path):
     settings = dict(dtype="float32", kv_cache_tokens=2048, show_progress=False,
                     quantization="none")
     ours = LLM(str(model_path), matmul_backend="auto", **settings)
-    if ours.engine.model.linear_method.name != "skinny-float":
+    if ours.engine.model.linear_method.name != "float-panels":
         pytest.skip(f"auto runs {ours.engine.model.linear_method.name} on this CPU")
     onednn = LLM(str(model_path), matmul_backend="torch", **settings)
     layers = ours.engine.model_config.num_layers
@@ -300,3 +301,9 @@ def test_engine_default_model_agrees_with_onednn(model_path):
         prompt = {"prompt_token_ids": ids}
         assert (ours.generate(prompt, greedy)[0].outputs[0].token_ids
                 == onednn.generate(prompt, greedy)[0].outputs[0].token_ids)
+
+
+def test_the_former_name_skinny_float_still_selects_float_panels():
+    # Commands written before the rename keep working: the old value maps to the new one.
+    assert EngineConfig(matmul_backend="skinny-float").matmul_backend == "float-panels"
+    assert EngineConfig(matmul_backend="float-panels").matmul_backend == "float-panels"

@@ -33,7 +33,8 @@
 #include <memory>
 #include <vector>
 
-#include "gguf_blocks.h"
+#include "common/cpu_features.h"
+#include "gguf/gguf_blocks.h"
 
 namespace radixserve::gguf {
 
@@ -239,7 +240,8 @@ PanelPath panel_path(int path) {
 int checked_path(int64_t max_path) {
   TORCH_CHECK_VALUE(max_path >= 0,
                     "max_path must be 0 (portable), 1 (AVX2), 2 (AVX-512 VNNI) or 3 (AMX)");
-  return static_cast<int>(std::min<int64_t>(max_path, radixserve::quant_path()));
+  return static_cast<int>(
+      std::min<int64_t>(max_path, radixserve::best_path(radixserve::Family::gguf)));
 }
 
 // Runs [0, runs) split into equal contiguous shares, one per thread, each an atomic (front,
@@ -397,8 +399,7 @@ at::Tensor gguf_linear(const at::Tensor& x, at::TensorList panels, at::IntArrayR
   // Each thread takes an equal contiguous share of the runs (about 32 KB of weights each) and
   // works through it front to back, as one stream; one that finishes early then takes runs
   // from the back of the others' shares. Cores need not run at one speed (a VM's vCPU whose
-  // host core is busy with a neighbour, a laptop's efficiency cores: on this project's 2-core
-  // VMs one core at times ran this kernel at 0.6x the other's rate), and with fixed shares
+  // host core is busy with a neighbour, a laptop's efficiency cores), and with fixed shares
   // the fast one would wait for the slow one. From kWideRunRows rows of x on, a run holds up
   // to kRunPanels panels (while each thread still gets two runs), so that its outputs are
   // written in whole lines (write_run); a decode step's few rows keep small runs, and the
@@ -488,7 +489,6 @@ std::vector<at::Tensor> gguf_quantize_activations(const at::Tensor& x, int64_t b
           copy(a.sums32, {m, n256 * k / 32}, at::kShort)};
 }
 
-int64_t gguf_quant_path() { return radixserve::quant_path(); }
 
 }  // namespace
 
@@ -498,5 +498,4 @@ TORCH_LIBRARY_FRAGMENT(radixserve, m) {
   m.impl("gguf_linear", c10::DispatchKey::CPU, TORCH_FN(gguf_linear));
   m.def("gguf_quantize_activations(Tensor x, int block, int max_path) -> Tensor[]");
   m.impl("gguf_quantize_activations", c10::DispatchKey::CPU, TORCH_FN(gguf_quantize_activations));
-  m.def("gguf_quant_path() -> int", &gguf_quant_path);
 }

@@ -18,8 +18,8 @@
 #include <cstring>
 #include <vector>
 
-#include "gguf_blocks.h"
-#include "huge_pages.h"
+#include "gguf/gguf_blocks.h"
+#include "common/huge_pages.h"
 
 namespace {
 

@@ -1,16 +1,15 @@
 // y = x W^T (+ bias) in float32 arithmetic, W kept at 16 bits (bfloat16 or float16) or as
 // float32, for CPUs without bfloat16 dot products: AVX2+FMA+F16C, AVX-512F, portable C++.
 //
-// Why: on such CPUs oneDNN emulates half-precision matmuls (6 GFLOP/s for a one-row LM head)
-// and runs float32 ones well below the memory bandwidth or the FMA units from 1 to 64 rows.
+// Why: on such CPUs oneDNN emulates half-precision matmuls (slowly, even for one row) and runs float32 ones well below the memory bandwidth or the FMA units from 1 to 64 rows.
 // A decode step is bound by reading the weights: here each is read once, at 2 bytes, and
 // widened in registers. A prefill is bound by FMAs: per panel of weights, tiles of 6 rows of
 // x (12 on AVX-512) keep 12 accumulators busy, the first tile streaming the panel from memory
-// and the others finding it in L2 (16 x K x 2 bytes: 64 KB at K = 2048). Measured against
-// widening blocks of weights into L1 for tiles of packed x (a GEMM's blocking): as fast or
-// faster on the 2-core AVX2 machine from 7 to 512 rows, so the simpler loop stays.
+// and the others finding it in L2 (16 x K x 2 bytes: 64 KB at K = 2048). Widening blocks of
+// weights into L1 for tiles of packed x (a GEMM's blocking) was no faster from a few rows to
+// prefill sizes (benchmarks/bench_skinny_matmul.py), so the simpler loop stays.
 //
-// Layout (SkinnyFloatOps.pack in kernels/__init__.py): panels [P, K, 16], panel p holding W's
+// Layout (FloatPanelOps.pack in kernels/float_panels.py): panels [P, K, 16], panel p holding W's
 // rows 16p..16p+15 k-major (rows past N are zero). A k step of a panel is 16 weights in one
 // 32-byte line, multiplied by x[m][k] broadcast: an outer product, no horizontal sums.
 //
@@ -28,23 +27,16 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "skinny_float_paths.h"
+#include "common/cpu_features.h"
+#include "float_panels/float_panels_paths.h"
 
 namespace {
 
-using namespace radixserve::skinny_float;
+using namespace radixserve::float_panels;
 
-int64_t best_path() {
-#ifdef RS_X86
-  if (__builtin_cpu_supports("avx512f")) return kAvx512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-      __builtin_cpu_supports("f16c"))
-    return kAvx2;
-#endif
-  return kPortable;
-}
+int64_t best_path() { return radixserve::best_path(radixserve::Family::float_panels); }
 
-at::Tensor skinny_float_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n,
+at::Tensor float_panels_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n,
                                const c10::optional<at::Tensor>& bias, int64_t max_path) {
   TORCH_CHECK(x.device().is_cpu() && panels.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(x.scalar_type() == at::kFloat, "float32 x");
@@ -85,13 +77,11 @@ at::Tensor skinny_float_linear(const at::Tensor& x, const at::Tensor& panels, in
   return n == p * kPanel ? out : out.narrow(1, 0, n).contiguous();
 }
 
-int64_t skinny_float_path() { return best_path(); }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(radixserve, m) {
-  m.def("skinny_float_linear(Tensor x, Tensor panels, int n, Tensor? bias, int max_path) "
+  m.def("float_panels_linear(Tensor x, Tensor panels, int n, Tensor? bias, int max_path) "
         "-> Tensor");
-  m.impl("skinny_float_linear", c10::DispatchKey::CPU, TORCH_FN(skinny_float_linear));
-  m.def("skinny_float_path() -> int", &skinny_float_path);
+  m.impl("float_panels_linear", c10::DispatchKey::CPU, TORCH_FN(float_panels_linear));
 }

@@ -30,8 +30,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
-#include "vector.h"
+#include "common/vector.h"
 
 namespace radixserve::gguf {
 
@@ -41,6 +42,21 @@ constexpr int kUnit = 64;  // bytes per unit: 4 bytes of each of 16 rows
 // How a panel stores a block's integers: signed bytes (q8s), nibbles (q4, q4m: Q4_0, Q4_1),
 // Q4_K nibbles with 8 sub-block scales and mins, Q6_K 6-bit values with 16 group scales.
 enum class Kind { q8s, q4, q4m, q4k, q6k };
+
+// body(std::integral_constant<Kind, K>{}) for `kind` K: the one switch on block format, which
+// each matmul path (gguf_matmul_{avx2,avx512,amx}.cpp) gives its own per-format template, so a
+// path's inner loops are compiled once per format and chosen once per panel call. The body
+// carries its path's target attribute, so that the path's template is inlined into it.
+template <typename Body>
+inline void with_kind(Kind kind, Body&& body) {
+  switch (kind) {
+    case Kind::q8s: return body(std::integral_constant<Kind, Kind::q8s>{});
+    case Kind::q4: return body(std::integral_constant<Kind, Kind::q4>{});
+    case Kind::q4m: return body(std::integral_constant<Kind, Kind::q4m>{});
+    case Kind::q4k: return body(std::integral_constant<Kind, Kind::q4k>{});
+    case Kind::q6k: return body(std::integral_constant<Kind, Kind::q6k>{});
+  }
+}
 
 // One supported GGUF type: its file block and its panel block.
 struct Format {

@@ -1,6 +1,6 @@
-// The paths of skinny_float.cpp's matmul: the arithmetic only, free of ATen, so that a test
+// The paths of float_panels.cpp's matmul: the arithmetic only, free of ATen, so that a test
 // can build them alone for an emulated CPU (tests/emulated_cpu.py) as well as into the op.
-// skinny_float.cpp says why the kernel exists and what it computes.
+// float_panels.cpp says why the kernel exists and what it computes.
 
 #pragma once
 
@@ -11,9 +11,9 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "vector.h"
+#include "common/vector.h"
 
-namespace radixserve::skinny_float {
+namespace radixserve::float_panels {
 // Internal linkage, as when this code lived in its .cpp file: GCC then inlines the functions
 // called once, and the op's machine code is what it was measured as.
 namespace {
@@ -237,6 +237,6 @@ void run_panels(const Problem& pr, const T* w, int64_t path, int64_t p0, int64_t
 }
 
 }  // namespace
-}  // namespace radixserve::skinny_float
+}  // namespace radixserve::float_panels
 
 #undef RS_UNROLL  // a pragma for the loops above, not for the includer
