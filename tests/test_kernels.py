@@ -13,7 +13,7 @@ import torch
 
 from radixserve import LLM, SamplingParams
 from radixserve.kernels import SKINNY_MAX_ROWS, cpu_features, paged_attention_op, skinny_matmul_op
-from radixserve.kernels.cpu import has_fast_bf16
+from radixserve.kernels.cpu import cpu_flags, has_fast_bf16
 from radixserve.layers.linear import (
     DenseLinear,
     Linear,
@@ -22,7 +22,6 @@ from radixserve.layers.linear import (
     WideningLinear,
     choose_linear_method,
 )
-from tests.support.engine import cpu_flags
 
 pytestmark = [pytest.mark.model]
 

@@ -23,9 +23,8 @@ from radixserve.engine.kv_offload import KVOffload
 from radixserve.engine.kv_pool import KVPool
 from radixserve.kv_tier.store import TierStore
 from radixserve.server.accounting import OffsetClock
-from tests.test_kv_tier_store import FINGERPRINT
-from tests.test_kv_tier_store import _run as run_command
-from tests.test_prefix_cache_engine import _mixed_workload, _run_rounds
+from tests.support.tier import FINGERPRINT, run_command
+from tests.support.workloads import mixed_workload, run_rounds
 
 pytestmark = [pytest.mark.model]
 
@@ -46,12 +45,12 @@ def off(model_path) -> LLM:
 
 @pytest.fixture(scope="module")
 def rounds(off) -> list[list[list[int]]]:
-    return _mixed_workload(off)
+    return mixed_workload(off)
 
 
 @pytest.fixture(scope="module")
 def expected(off, rounds) -> list[list[int]]:
-    return _run_rounds(off, rounds)
+    return run_rounds(off, rounds)
 
 
 def _tier_files(directory: Path) -> list[Path]:
@@ -72,9 +71,9 @@ def test_tier_under_eviction_equals_cache_off(model_path, tmp_path, rounds, expe
     with LLM(str(model_path), **_settings(
             prefix_cache=mode, page_size=page_size, kv_cache_tokens=longest * 2,
             kv_offload_dir=str(tmp_path), kv_offload_block_tokens=block)) as llm:
-        assert _run_rounds(llm, rounds) == expected
+        assert run_rounds(llm, rounds) == expected
         llm.engine.offload.store.flush()
-        assert _run_rounds(llm, rounds) == expected
+        assert run_rounds(llm, rounds) == expected
         counters = llm.engine.scheduler.counters
         assert llm.engine.cache.stats().evicted_tokens_total > 0
         assert counters.kv_tier_hits > 0, counters
@@ -103,7 +102,7 @@ def test_restart_reads_the_tier_and_usage_counts_it(model_path, tmp_path, off):
 def test_corrupted_truncated_and_deleted_entries_are_computed(model_path, tmp_path, rounds,
                                                               expected):
     with LLM(str(model_path), **_settings(kv_offload_dir=str(tmp_path))) as llm:
-        assert _run_rounds(llm, rounds) == expected
+        assert run_rounds(llm, rounds) == expected
         store = llm.engine.offload.store
         store.flush()
         files = _tier_files(tmp_path)
@@ -120,7 +119,7 @@ def test_corrupted_truncated_and_deleted_entries_are_computed(model_path, tmp_pa
             else:
                 path.unlink()
         llm.engine.cache.reset()  # the pool forgets: everything must come from the tier
-        assert _run_rounds(llm, rounds) == expected
+        assert run_rounds(llm, rounds) == expected
         errors = store.stats().counters.errors
         assert errors["corrupt"] + errors["truncated"] + errors["missing"] > 0, errors
         assert llm.engine.scheduler.counters.kv_tier_hits > 0
@@ -152,7 +151,7 @@ def test_two_engines_writing_one_directory(model_path, tmp_path, rounds, expecte
     outputs: list[list[list[int]]] = [[], []]
 
     def run(i: int) -> None:
-        outputs[i] = _run_rounds(engines[i], rounds if i == 0 else rounds[::-1])
+        outputs[i] = run_rounds(engines[i], rounds if i == 0 else rounds[::-1])
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
     for t in threads:
@@ -164,7 +163,7 @@ def test_two_engines_writing_one_directory(model_path, tmp_path, rounds, expecte
     assert outputs[0] == expected
     assert outputs[1] == [t for r in rounds[::-1] for t in _expected_round(rounds, expected, r)]
     with LLM(str(model_path), **_settings(kv_offload_dir=str(tmp_path))) as reader:
-        assert _run_rounds(reader, rounds) == expected
+        assert run_rounds(reader, rounds) == expected
         stats = reader.engine.offload.store.stats()
         assert sum(stats.counters.errors.values()) == 0, stats.counters.errors
         assert reader.engine.scheduler.counters.kv_tier_hits > 0
@@ -291,9 +290,9 @@ def test_a_full_disk_leaves_serving_untouched(model_path, tmp_path, rounds, expe
     try:
         with caplog.at_level(logging.WARNING, logger="radixserve.kv_tier.store"):
             with LLM(str(model_path), **_settings(kv_offload_dir=str(root))) as llm:
-                assert _run_rounds(llm, rounds) == expected
+                assert run_rounds(llm, rounds) == expected
                 llm.engine.offload.store.flush()
-                assert _run_rounds(llm, rounds) == expected  # still serving, and the same
+                assert run_rounds(llm, rounds) == expected  # still serving, and the same
                 stats = llm.engine.offload.store.stats()
                 _assert_idle(llm)
     finally:

@@ -31,12 +31,8 @@ from radixserve.kv_tier.blocks import ModelFingerprint, chain_keys
 from radixserve.kv_tier.entry import ERROR_KINDS, EntryError, EntryHeader
 from radixserve.kv_tier.store import TierStore
 from radixserve.sequences import namespace_bytes
+from tests.support.tier import FINGERPRINT, run_command
 
-FINGERPRINT = ModelFingerprint(
-    weights="0123456789abcdef0123456789abcdef", dtype="float32", quantization="none",
-    projections="torch", attention="sdpa", num_layers=2, num_kv_heads=1, head_dim=8,
-    page_size=4, block_tokens=4, software="radixserve-test",
-)
 SHAPE = (2, 2, 1, 4, 8)  # [layers, K/V, kv heads, block tokens, head dim]: 512 bytes
 BIG_SHAPE = (2, 2, 4, 16, 64)  # 64 KiB: fills a small filesystem in a few writes
 LONG_SHAPE = (1, 2, 1, 2048, 1)  # a long block: its header (2048 token ids) outweighs 4 KiB
@@ -627,15 +623,6 @@ def test_two_processes_share_one_directory(tmp_path: Path, open_store) -> None:
     assert not temp_files(store)
 
 
-def _run(*command: str) -> str | None:
-    """Runs a command; None when it worked, else why not."""
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return str(exc)
-    return None if done.returncode == 0 else (done.stderr.strip() or f"exit {done.returncode}")
-
-
 @contextlib.contextmanager
 def read_only(root: Path) -> Iterator[Path]:
     """A read-only view of `root`: a read-only bind mount for root (whom permissions do not
@@ -643,16 +630,16 @@ def read_only(root: Path) -> Iterator[Path]:
     if os.geteuid() == 0:
         view = root.with_name(root.name + "-ro")
         view.mkdir()
-        why = _run("mount", "--bind", str(root), str(view))
+        why = run_command("mount", "--bind", str(root), str(view))
         if why:
             pytest.skip(f"running as root and cannot bind-mount ({why}): no read-only directory")
         try:
-            why = _run("mount", "-o", "remount,bind,ro", str(view))
+            why = run_command("mount", "-o", "remount,bind,ro", str(view))
             if why:
                 pytest.skip(f"running as root and cannot remount read-only ({why})")
             yield view
         finally:
-            _run("umount", str(view))
+            run_command("umount", str(view))
         return
     directories = [root] + [p for p in root.rglob("*") if p.is_dir()]
     for directory in directories:
@@ -763,13 +750,13 @@ def test_a_full_disk_stops_writes_and_keeps_reads(tmp_path: Path, how: str) -> N
     if how == "small-tmpfs":
         if os.geteuid() != 0:
             pytest.skip("mounting a small tmpfs needs root (the file-size-limit case runs)")
-        why = _run("mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(root))
+        why = run_command("mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(root))
         if why:
             pytest.skip(f"cannot mount a small tmpfs ({why})")
         try:
             report = fill_the_disk(str(root))
         finally:
-            _run("umount", str(root))
+            run_command("umount", str(root))
     else:
         pytest.importorskip("resource", reason="no RLIMIT_FSIZE on this platform")
         done = subprocess.run(

@@ -14,8 +14,8 @@ import torch
 from radixserve import LLM, SamplingParams
 from radixserve.engine.request import Request
 from radixserve.kernels import attention_path, paged_attention_op, path_names
+from radixserve.kernels.cpu import cpu_flags
 from radixserve.model.decoder_stack import DecoderStack
-from tests.support.engine import cpu_flags
 
 pytestmark = [pytest.mark.model]
 

@@ -13,10 +13,10 @@ import pytest
 
 from radixserve import LLM, SamplingParams
 from tests.support.engine import use_torch_attention
+from tests.support.workloads import mixed_workload, run_rounds
 
 pytestmark = [pytest.mark.model]
 
-GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
 
 def _engine(model_path, **overrides) -> LLM:
@@ -55,46 +55,13 @@ def _assert_idle(llm: LLM) -> None:
     assert stats.private == 0 and stats.protected == 0, stats
 
 
-def _mixed_workload(llm: LLM) -> list[list[list[int]]]:
-    """Rounds of prompts: shared system prompt, multi-turn, branching agent, unique ones."""
-    tok = llm.tokenizer
-    system = ("You are a careful assistant for a hardware store. Answer briefly. "
-              "Our opening hours are nine to five, Monday to Saturday. ") * 6
-
-    def chat(*turns: str) -> list[int]:
-        messages = [{"role": "system", "content": system}]
-        for i, text in enumerate(turns):
-            messages.append({"role": "user" if i % 2 == 0 else "assistant", "content": text})
-        return tok.encode_chat(messages)
-
-    agent = ["Find the cheapest hammer.", "Calling search(tool='catalog', q='hammer')",
-             "Result: claw hammer $12, sledge $30."]
-    rng = random.Random(1)
-    unique = [[rng.randrange(200, 40000) for _ in range(rng.randrange(20, 60))] for _ in range(3)]
-    return [
-        [chat("Do you sell nails?"), chat("Are you open on Sunday?"), unique[0]],
-        [chat("Do you sell nails?", "Yes, many sizes.", "Which size for drywall?"),
-         chat(*agent, "Buy the claw hammer."), chat(*agent, "Compare with the sledge."), unique[1]],
-        [chat("Do you sell nails?", "Yes, many sizes.", "Which size for drywall?", "1.25 inch.",
-              "And for a deck?"), chat(*agent[:2], "Result: none found."), unique[2]],
-    ]
-
-
-def _run_rounds(llm: LLM, rounds: list[list[list[int]]]) -> list[list[int]]:
-    out = []
-    for prompts in rounds:
-        results = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
-        out.extend(r.outputs[0].token_ids for r in results)
-    return out
-
-
 def test_cache_on_equals_cache_off(radix, off):
     # The default path: the attention kernel in both roles.
     attention = radix.engine.runner.attention
     assert (attention.decode.name, attention.prefill.name) == ("kernel", "kernel")
-    rounds = _mixed_workload(radix)
-    expected = _run_rounds(off, rounds)
-    assert _run_rounds(radix, rounds) == expected
+    rounds = mixed_workload(radix)
+    expected = run_rounds(off, rounds)
+    assert run_rounds(radix, rounds) == expected
     assert radix.engine.scheduler.counters.prefix_cache_hits > 0
     _assert_idle(radix)
 
@@ -103,22 +70,22 @@ def test_cache_on_equals_cache_off_on_the_pytorch_path(radix_float, off_float, m
     # PyTorch's decode gathers with shared-prefix groups and SDPA prefill over cached context.
     for llm in (radix_float, off_float):
         use_torch_attention(monkeypatch, llm)
-    rounds = _mixed_workload(radix_float)
-    expected = _run_rounds(off_float, rounds)
-    assert _run_rounds(radix_float, rounds) == expected
+    rounds = mixed_workload(radix_float)
+    expected = run_rounds(off_float, rounds)
+    assert run_rounds(radix_float, rounds) == expected
     assert radix_float.engine.scheduler.counters.prefix_cache_hits > 0
     _assert_idle(radix_float)
 
 
 @pytest.mark.parametrize("mode, page_size", [("radix", 1), ("radix", 4), ("hash", 16)])
 def test_cache_on_equals_off_under_eviction(model_path, off, mode, page_size):
-    rounds = _mixed_workload(off)
-    expected = _run_rounds(off, rounds)
+    rounds = mixed_workload(off)
+    expected = run_rounds(off, rounds)
     # A pool that holds little more than one round: every round evicts the one before.
     longest = max(len(p) for r in rounds for p in r)
     small = _engine(model_path, prefix_cache=mode, page_size=page_size,
                     kv_cache_tokens=longest * 2)
-    assert _run_rounds(small, rounds) == expected
+    assert run_rounds(small, rounds) == expected
     assert small.engine.cache.stats().evicted_tokens_total > 0
     _assert_idle(small)
 
@@ -245,9 +212,9 @@ def test_kv_read_through_slot_runs_matches_cache_off(radix_float, off_float, mon
 
         planner.plan = spy  # type: ignore[method-assign]
         monkeypatch.setattr(backend, "gathers", planner)
-    rounds = _mixed_workload(radix)
-    got = _run_rounds(radix, rounds)
-    assert got == _run_rounds(off, rounds)
+    rounds = mixed_workload(radix)
+    got = run_rounds(radix, rounds)
+    assert got == run_rounds(off, rounds)
     assert any(plan.segments and any(s[0] for s in plan.segments) for plan in plans)
     _assert_idle(radix)
 

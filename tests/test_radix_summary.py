@@ -18,7 +18,7 @@ from radixserve.engine.kv_pool import PageAllocator
 from radixserve.engine.request import Request
 from radixserve.engine.scheduler import Scheduler
 from radixserve.sampling_params import SamplingParams
-from tests.test_scheduler import _step
+from tests.support.scheduling import step
 
 NAMESPACES = [None, "a", "b"]
 EVERYTHING = dict(limit=10_000, visit_limit=10_000, first_tokens=10_000)
@@ -203,7 +203,7 @@ def _run(scheduler: Scheduler, requests: list[Request]) -> None:
     for request in requests:
         scheduler.add(request)
     while scheduler.has_work():
-        _step(scheduler)
+        step(scheduler)
 
 
 def test_scheduler_counts_one_hit_per_admitted_request() -> None:

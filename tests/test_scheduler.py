@@ -13,6 +13,7 @@ from radixserve.engine.kv_pool import PageAllocator
 from radixserve.engine.request import Request
 from radixserve.engine.scheduler import Scheduler
 from radixserve.sampling_params import SamplingParams
+from tests.support.scheduling import step
 
 
 class FakeClock:
@@ -37,18 +38,6 @@ def _request(rid: str, tokens: list[int], clock: FakeClock, max_tokens: int = 2)
     return Request(rid, tokens, params, arrival_time=clock())
 
 
-def _step(scheduler: Scheduler) -> list[Request]:
-    """Schedules one step and applies it as the engine does: returns the admitted order."""
-    plan = scheduler.schedule()
-    sampled = [*plan.decodes, *[c.request for c in plan.prefills if c.completes_prompt]]
-    scheduler.advance(plan)
-    for request in sampled:
-        request.append_output(7)
-        if len(request.output_token_ids) >= request.params.max_tokens:
-            scheduler.finish(request, "length")
-    return [c.request for c in plan.prefills]
-
-
 def _check_balance(scheduler: Scheduler) -> None:
     stats = scheduler.cache.stats()
     total = (scheduler.allocator.free_slots + stats.evictable_tokens + stats.protected_tokens
@@ -58,7 +47,7 @@ def _check_balance(scheduler: Scheduler) -> None:
 
 def _drain(scheduler: Scheduler) -> None:
     while scheduler.has_work():
-        _step(scheduler)
+        step(scheduler)
         _check_balance(scheduler)
 
 
@@ -72,7 +61,7 @@ def test_lpm_admits_longest_cached_prefix_first():
     hot = _request("hot", warm + [2, 3], clock)
     scheduler.add(cold)
     scheduler.add(hot)
-    assert _step(scheduler)[0] is hot  # arrived later, but 200 cached tokens
+    assert step(scheduler)[0] is hot  # arrived later, but 200 cached tokens
     _drain(scheduler)
 
 
@@ -86,7 +75,7 @@ def test_lpm_ages_cold_requests_so_they_are_not_starved():
     scheduler.add(cold)
     clock.now += 2.5  # the cold request has now waited past the limit
     scheduler.add(_request("hot", warm + [2, 3], clock))
-    assert _step(scheduler)[0] is cold
+    assert step(scheduler)[0] is cold
     _drain(scheduler)
 
 
@@ -98,7 +87,7 @@ def test_fcfs_keeps_arrival_order():
     first = _request("cold", list(range(600, 650)), clock)
     scheduler.add(first)
     scheduler.add(_request("hot", warm + [2], clock))
-    assert _step(scheduler)[0] is first
+    assert step(scheduler)[0] is first
     _drain(scheduler)
 
 
@@ -108,9 +97,9 @@ def test_shared_uncached_prefix_is_computed_once():
     requests = [_request(f"r{i}", prefix + [5000 + i] * 3, clock) for i in range(16)]
     for r in requests:
         scheduler.add(r)
-    first = _step(scheduler)
+    first = step(scheduler)
     assert first == [requests[0]]  # the others wait for its prefill...
-    second = _step(scheduler)
+    second = step(scheduler)
     assert set(second) == set(requests[1:])  # ...then hit it
     assert all(r.num_cached_tokens == 1000 for r in requests[1:])
     _drain(scheduler)
@@ -130,10 +119,10 @@ def test_short_shared_header_waits_by_device(device_type: str, settings: dict,
                 for i in range(8)]
     for r in requests:
         scheduler.add(r)
-    first = _step(scheduler)
+    first = step(scheduler)
     if waits:
         assert first == [requests[0]]
-        assert set(_step(scheduler)) == set(requests[1:])
+        assert set(step(scheduler)) == set(requests[1:])
         assert [r.num_cached_tokens for r in requests] == [0] + [12] * 7
     else:
         assert first == requests

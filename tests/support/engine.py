@@ -1,5 +1,5 @@
 """Engine-side helpers shared by test modules: small-engine settings, the HF oracle's loader,
-switching a live engine to the PyTorch attention backends, and this CPU's feature flags."""
+switching a live engine to the PyTorch attention backends."""
 
 from __future__ import annotations
 
@@ -40,11 +40,3 @@ def use_torch_attention(monkeypatch: pytest.MonkeyPatch, llm: Any) -> None:
         runner.attention, decode=choose_backend("decode", "torch", env),
         prefill=choose_backend("prefill", "sdpa", env)))
 
-
-def cpu_flags() -> set[str]:
-    """This CPU's feature flags (/proc/cpuinfo), to say which kernel paths it runs."""
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    return set()
