@@ -43,8 +43,11 @@ browser:
 bench: model
 	$(PY) benchmarks/peers.py $(ARGS)
 
+# ruff, and the import structure: no circles, no private-name imports, the floors of
+# docs/architecture.md (tests/test_import_floors.py reads the source; it needs no model).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check radixserve tests benchmarks
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_import_floors.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -74,7 +74,8 @@ def test_greedy_output_agrees_with_the_dequantized_reference(quantized, referenc
     # int8 activations per 32 weights (as llama.cpp multiplies Q4_1/Q8_0) against float32
     # activations. Measured on these prompts: the first token always agrees, the logits
     # differ by 3-13% of their spread (RMS), and greedy text drifts apart after a while.
-    # (Chat prompts reach 27%, near-ties between first tokens then flip: see BENCHMARKS.md.)
+    # (Chat prompts reach 27%, near-ties between first tokens then flip: see
+    # docs/benchmark-log.md, "The default model on its own blocks".)
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     agreed, total = 0, 0
     for text in PROMPTS:

@@ -107,7 +107,7 @@ def _draw(logits: torch.Tensor, rows: list[SampleRow]) -> list[int]:
 
 @dataclass(frozen=True)
 class SamplerKernels:
-    """The C++ ops sampling uses where they are built (radixserve/kernels/layer_ops.cpp), each
+    """The C++ ops sampling uses where they are built (radixserve/kernels/csrc/layer_ops/), each
     faster than the PyTorch ops it replaces (benchmarks/bench_structured_output.py times the
     masks); None: PyTorch's."""
 

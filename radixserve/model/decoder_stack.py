@@ -1,4 +1,4 @@
-"""A model's decoder layers run by one C++ call per step (radixserve/kernels/decoder_stack.cpp).
+"""A model's decoder layers run by one C++ call per step (radixserve/kernels/csrc/decoder_stack/).
 
 The C++ stack calls the kernels the Python layers call, in the same order, so a step gives the
 same bits either way; what it saves is the Python and the dispatch between a layer's matmuls,

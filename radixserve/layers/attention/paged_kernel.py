@@ -8,7 +8,7 @@ prefill chunk, in a later chunk, or as a decode step (the reply a later turn res
 the same bits, so the K/V it leaves in the pool, and every token after it, are the same with
 the prefix cache on or off. PyTorch's SDPA cannot promise that (its blocking follows the
 chunk), and with int8-quantized activations (the GGUF kernels) a last-bit difference can flip
-a rounding and grow. It is also faster than SDPA on CPUs without AVX-512 (BENCHMARKS.md).
+a rounding and grow. Its speed against SDPA: benchmarks/bench_decode_attention.py.
 
 CPU only, float32 or bfloat16; the kernel picks its vector path (portable, AVX2, AVX-512,
 AVX512-BF16, AMX-BF16 tiles) from the CPU, the dtype and the shape at run time; the start-up
