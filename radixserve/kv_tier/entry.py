@@ -9,8 +9,8 @@ truncated, corrupted, renamed or foreign file is refused, never read as KV. File
 atomic rename of a complete temporary file, so a reader never sees a half-written one.
 
 The checksum is XXH3-64 (seed 0, little-endian in the file): a 64-bit non-cryptographic hash
-(damage of any shape slips through with odds of about 2^-64) that runs at memory speed, 25 GB/s
-here against CRC-32's 2.4. Speed matters twice: a load checks every byte before the request
+(damage of any shape slips through with odds of about 2^-64) that runs at memory speed, many
+times CRC-32's rate. Speed matters twice: a load checks every byte before the request
 may use its slots, and every write hashes every byte on a thread that shares the cores with
 the engine.
 """
