@@ -5,12 +5,14 @@ general.architecture.
 
 from __future__ import annotations
 
-from radixserve.model import llama, qwen3
+from radixserve.model import llama, phi3, qwen3, smollm3
 from radixserve.model.family import ModelFamily
 
 FAMILIES: tuple[ModelFamily, ...] = (
     llama.FAMILY,
     qwen3.FAMILY,
+    phi3.FAMILY,
+    smollm3.FAMILY,
 )
 
 

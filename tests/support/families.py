@@ -40,9 +40,10 @@ def save_checkpoint(model: torch.nn.Module, directory: Path, tokenizer_model: Pa
     (directory / "tokenizer_config.json").write_text(json.dumps({
         "chat_template": tokenizer.chat_template, "eos_token": tokenizer.eos_token,
         "bos_token": tokenizer.bos_token,
-        # The plain fast tokenizer keeps tokenizer.json's pre-tokenizer, which the converter
-        # knows by its hash (a model_type's own class would rebuild it).
-        "tokenizer_class": "PreTrainedTokenizerFast",
+        # GPT-2's class keeps tokenizer.json's pre-tokenizer, which the converter knows by
+        # its hash (a model_type's own class, Qwen2's say, would rebuild it), and is what
+        # the converter reads Phi-4's vocabulary by.
+        "tokenizer_class": "GPT2Tokenizer",
     }))
     return directory
 
