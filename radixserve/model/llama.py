@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixserve.layers.attention import LayerKV
+from radixserve.layers.attention import LayerAttention, LayerKV
 from radixserve.layers.linear import DenseLinear, Linear, LinearMethod
 from radixserve.model.config import ModelConfig
 from radixserve.model.decoder_stack import DecoderStack, StackLayer
@@ -106,6 +106,8 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, config.attention_bias,
                                linear)
         self.o_proj = Linear(q_size, config.hidden_size, False, linear)
+        # This layer's own window, scale or sinks; None: the model's (see LayerAttention).
+        self.layer_attention: LayerAttention | None = None
 
     def forward(self, x: torch.Tensor, rotary: Rotary, batch: ForwardBatch, cache: LayerKV,
                 rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -122,7 +124,8 @@ class Attention(nn.Module):
             qk = rotary.rotate(qkv[:, :rotated])
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, rotated:]
-        out = batch.attention.forward(q, k, v, cache, batch.attention_plan).view(tokens, -1)
+        out = batch.attention.forward(q, k, v, cache, batch.attention_plan,
+                                      self.layer_attention).view(tokens, -1)
         return self.o_proj(out if rows is None else out[rows])
 
 
