@@ -5,7 +5,7 @@ general.architecture.
 
 from __future__ import annotations
 
-from radixserve.model import llama, phi3, qwen3, smollm3
+from radixserve.model import gemma3, llama, phi3, qwen3, smollm3
 from radixserve.model.family import ModelFamily
 
 FAMILIES: tuple[ModelFamily, ...] = (
@@ -13,6 +13,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     qwen3.FAMILY,
     phi3.FAMILY,
     smollm3.FAMILY,
+    gemma3.FAMILY,
 )
 
 
