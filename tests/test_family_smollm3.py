@@ -74,8 +74,8 @@ def test_quantized_copies_agree_with_float(checkpoint):
 
 
 def test_cache_on_equals_off_and_chunked_equals_unchunked(checkpoint):
-    runs = cache_and_chunking_runs(checkpoint.directory)
-    assert runs["radix"] == runs["off"] == runs["chunked"]
+    cached_and_chunked, plain = cache_and_chunking_runs(checkpoint.directory)
+    assert cached_and_chunked == plain
 
 
 def _rope_everywhere(llm) -> None:
