@@ -22,7 +22,7 @@ def hf_family(model_type: str) -> ModelFamily:
     for family in FAMILIES:
         if model_type in family.hf_model_types:
             return family
-    names = sorted(t for f in FAMILIES for t in f.hf_model_types)
+    names = [t for f in FAMILIES for t in f.hf_model_types]
     raise ValueError(f"unsupported architecture {model_type!r}; supported: {', '.join(names)}")
 
 
@@ -31,7 +31,7 @@ def gguf_family(architecture: str) -> ModelFamily:
     for family in FAMILIES:
         if architecture in family.gguf_architectures:
             return family
-    names = sorted(a for f in FAMILIES for a in f.gguf_architectures)
+    names = [a for f in FAMILIES for a in f.gguf_architectures]
     raise ValueError(f"GGUF architecture {architecture!r} is not supported (supported: "
                      f"{', '.join(names)})")
 
