@@ -83,11 +83,8 @@ class Attention(nn.Module):
             else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, ops) if config.qk_norm \
             else None
-        # The backend scales scores by head_dim ** -0.5; a family with its own scale (Gemma 3's
-        # query_pre_attn_scalar) has q multiplied by the ratio.
-        scale = config.attention_scale
-        self.query_factor = 1.0 if scale is None else scale / config.head_dim**-0.5
-        # This layer's own window, scale or sinks; None: the model's (see LayerAttention).
+        # This layer's own window, scale or sinks; None: the model's (see LayerAttention);
+        # set by the model (DecoderModel.layer_attention).
         self.layer_attention: LayerAttention | None = None
 
     def forward(self, x: torch.Tensor, rotary: Rotary | None, batch: ForwardBatch,
@@ -105,8 +102,6 @@ class Attention(nn.Module):
         if rotary is not None:
             qk = self._rotate(qk, qkv if self.q_norm is None else None, rotary)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        if self.query_factor != 1.0:
-            q = q * self.query_factor
         out = batch.attention.forward(q, k, v, cache, batch.attention_plan,
                                       self.layer_attention).view(tokens, -1)
         return self.o_proj(out if rows is None else out[rows])

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import nn
 
-from radixserve.layers.attention import LayerKV
+from radixserve.layers.attention import LayerAttention, LayerKV
 from radixserve.layers.linear import DenseLinear, Linear, LinearMethod
 from radixserve.model.blocks import MLP, DecoderLayer, RMSNorm
 from radixserve.model.config import ModelConfig, RopeConfig
@@ -55,6 +55,8 @@ class DecoderModel(nn.Module):
                                                              config.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(config, self.make_mlp(i), linear, ops)
                                     for i in range(config.num_layers))
+        for i, layer in enumerate(self.layers):
+            layer.self_attn.layer_attention = self.layer_attention(i)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, False, linear)
         # Each distinct rotary embedding once, and which one each layer uses (None: no RoPE).
@@ -75,6 +77,14 @@ class DecoderModel(nn.Module):
         """Layer `layer`'s MLP, a module mapping [T, hidden] to [T, hidden] (a mixture-of-experts
         family returns its MoE block where the config puts one)."""
         return MLP(self.config, self.linear_method, self.ops)
+
+    def layer_attention(self, layer: int) -> LayerAttention | None:
+        """How layer `layer` attends where it differs from the model's one window and
+        head_dim ** -0.5 (None: it does not; see radixserve/engine/setup.py's AttentionEnv)."""
+        cfg = self.config
+        if cfg.uniform_windows and cfg.attention_scale is None:
+            return None
+        return LayerAttention(window=cfg.layer_window(layer), scale=cfg.attention_scale)
 
     def stack_blocker(self) -> str | None:
         """What keeps this model's layers off the C++ decoder stack (None: nothing), for the

@@ -5,12 +5,15 @@ general.architecture.
 
 from __future__ import annotations
 
-from radixserve.model import llama, qwen3
+from radixserve.model import gemma3, llama, phi3, qwen3, smollm3
 from radixserve.model.family import ModelFamily
 
 FAMILIES: tuple[ModelFamily, ...] = (
     llama.FAMILY,
     qwen3.FAMILY,
+    phi3.FAMILY,
+    smollm3.FAMILY,
+    gemma3.FAMILY,
 )
 
 
@@ -19,7 +22,7 @@ def hf_family(model_type: str) -> ModelFamily:
     for family in FAMILIES:
         if model_type in family.hf_model_types:
             return family
-    names = sorted(t for f in FAMILIES for t in f.hf_model_types)
+    names = [t for f in FAMILIES for t in f.hf_model_types]
     raise ValueError(f"unsupported architecture {model_type!r}; supported: {', '.join(names)}")
 
 
@@ -28,7 +31,7 @@ def gguf_family(architecture: str) -> ModelFamily:
     for family in FAMILIES:
         if architecture in family.gguf_architectures:
             return family
-    names = sorted(a for f in FAMILIES for a in f.gguf_architectures)
+    names = [a for f in FAMILIES for a in f.gguf_architectures]
     raise ValueError(f"GGUF architecture {architecture!r} is not supported (supported: "
                      f"{', '.join(names)})")
 

@@ -45,10 +45,10 @@ def rope_table(rope: RopeConfig, rotary_dim: int, max_context: int) -> RopeTable
     elif kind == "longrope":
         original = scaling["original_max_position_embeddings"]
         factors = scaling["long_factor" if max_context > original else "short_factor"]
-        inv = inv / torch.tensor(factors, dtype=torch.float64)
+        inv = inv / torch.tensor(factors, dtype=torch.float64, device="cpu")
         magnitude = _longrope_magnitude(scaling)
     elif kind == "factors":  # GGUF's rope_freqs tensor: per-frequency divisors
-        inv = inv / torch.tensor(scaling["factors"], dtype=torch.float64)
+        inv = inv / torch.tensor(scaling["factors"], dtype=torch.float64, device="cpu")
         magnitude = scaling.get("attention_factor", 1.0)
     elif kind is not None:
         raise ValueError(f"rope scaling {kind!r} is not supported (supported: "
