@@ -45,21 +45,41 @@ def _env(dtype: torch.dtype, window: int | None = None) -> AttentionEnv:
 
 
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: list[int],
-               position: int, layer: LayerAttention) -> torch.Tensor:
-    """Float64 attention of one row at `position` over slots[:position + 1], as HF computes
-    it: the window keeps positions p - window < j <= p, a sink is a softmax column dropped
-    after the softmax."""
-    low = 0 if layer.window is None else max(0, position - layer.window + 1)
-    idx = torch.tensor(slots[low:position + 1])
+               positions: list[int], layer: LayerAttention) -> torch.Tensor:
+    """Float64 attention of rows at `positions` (q [n, H, D]) over slots[:position + 1] each,
+    as HF computes it: the window keeps positions p - window < j <= p, a sink is a softmax
+    column dropped after the softmax."""
+    context = max(positions) + 1
+    idx = torch.tensor(slots[:context])
     groups = HEADS // KV_HEADS
-    keys = k[:, idx].double().repeat_interleave(groups, 0)
+    keys = k[:, idx].double().repeat_interleave(groups, 0)  # [H, context, D]
     values = v[:, idx].double().repeat_interleave(groups, 0)
     scale = DIM**-0.5 if layer.scale is None else layer.scale
-    scores = torch.einsum("hd,htd->ht", q.double(), keys) * scale
+    scores = torch.einsum("nhd,hcd->hnc", q.double(), keys) * scale
+    cols, rows = torch.arange(context)[None, :], torch.tensor(positions)[:, None]
+    allowed = cols <= rows
+    if layer.window is not None:
+        allowed &= cols > rows - layer.window
+    scores = scores.masked_fill(~allowed, float("-inf"))
     if layer.sinks is not None:
-        scores = torch.cat((scores, layer.sinks.double()[:, None]), dim=-1)
-    probs = torch.softmax(scores, dim=-1)[:, : len(idx)]
-    return torch.einsum("ht,htd->hd", probs, values)
+        sink = layer.sinks.double()[:, None, None].expand(HEADS, len(positions), 1)
+        scores = torch.cat((scores, sink), dim=-1)
+    probs = torch.softmax(scores, dim=-1)[..., :context]
+    return torch.einsum("hnc,hcd->nhd", probs, values)
+
+
+def _reference_step(q: torch.Tensor, cache: LayerKV, rows: list[tuple],
+                    layer: LayerAttention) -> torch.Tensor:
+    """_reference over a step's rows, a request's consecutive rows at once."""
+    out, start = [], 0
+    while start < len(rows):
+        end = start
+        while end < len(rows) and rows[end][0] is rows[start][0]:
+            end += 1
+        positions = [position for _, position in rows[start:end]]
+        out.append(_reference(q[start:end], cache.k, cache.v, rows[start][0], positions, layer))
+        start = end
+    return torch.cat(out)
 
 
 def _step(requests: list[tuple[list[int], int, int]]) -> tuple[StepLayout, list[tuple]]:
@@ -117,9 +137,7 @@ def test_every_backend_honours_each_layers_window_scale_and_sinks(dtype, decode,
         k = torch.randn(len(rows), KV_HEADS, DIM, generator=gen).to(dtype)
         v = torch.randn(len(rows), KV_HEADS, DIM, generator=gen).to(dtype)
         got = attention.forward(q, k, v, cache, plan, layer)
-        want = torch.stack([_reference(q[i], cache.k, cache.v, slots, position,
-                                       layer or LayerAttention())
-                            for i, (slots, position) in enumerate(rows)])
+        want = _reference_step(q, cache, rows, layer or LayerAttention())
         error = (got.double() - want).abs().max().item()
         assert error < tolerance, (layer, error)
     # Each window was planned once for the step, whatever number of layers used it.
@@ -209,6 +227,5 @@ def test_the_model_default_window_still_applies_without_a_layer_attention():
     q, k, v = (torch.randn(40, h, DIM, generator=gen) for h in (HEADS, KV_HEADS, KV_HEADS))
     got = attention.forward(q, k, v, cache, plan)
     assert torch.equal(got, attention.forward(q, k, v, cache, plan, LayerAttention(window=8)))
-    want = torch.stack([_reference(q[i], cache.k, cache.v, slots, i, LayerAttention(window=8))
-                        for i in range(40)])
+    want = _reference_step(q, cache, rows, LayerAttention(window=8))
     assert (got.double() - want).abs().max().item() < 3e-5
