@@ -38,8 +38,8 @@ class Table:
         return np.asarray(self.slots[start:end], dtype=np.int32)
 
 
-def _env(dtype: torch.dtype, window: int | None = None) -> AttentionEnv:
-    return AttentionEnv(num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM, window=window,
+def _env(dtype: torch.dtype, window: int | None = None, dim: int = DIM) -> AttentionEnv:
+    return AttentionEnv(num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=dim, window=window,
                         num_slots=SLOTS, device=torch.device("cpu"), dtype=dtype,
                         native_bf16=False)
 
@@ -54,7 +54,7 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: list[in
     groups = HEADS // KV_HEADS
     keys = k[:, idx].double().repeat_interleave(groups, 0)  # [H, context, D]
     values = v[:, idx].double().repeat_interleave(groups, 0)
-    scale = DIM**-0.5 if layer.scale is None else layer.scale
+    scale = q.shape[-1]**-0.5 if layer.scale is None else layer.scale
     scores = torch.einsum("nhd,hcd->hnc", q.double(), keys) * scale
     cols, rows = torch.arange(context)[None, :], torch.tensor(positions)[:, None]
     allowed = cols <= rows
@@ -144,21 +144,28 @@ def test_every_backend_honours_each_layers_window_scale_and_sinks(dtype, decode,
     assert set(plan.by_window) == {None, 16, 7, 300}
 
 
+# Head dims of the vector paths (64, 96, 128, 256) the engine serves: small models' and
+# gpt-oss's 64, Gemma 3's 256 (test_paged_attention covers all four without a layer's
+# parameters).
+DIMS = [64, 256]
+
+
+@pytest.mark.parametrize("dim", DIMS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("path", range(len(path_names("attention"))))
-def test_every_kernel_path_honours_window_scale_and_sinks(dtype, path):
+def test_every_kernel_path_honours_window_scale_and_sinks(dtype, path, dim):
     # The portable, AVX2 and AVX-512 paths each against the reference (a path above this
     # CPU's runs as the best it has; the AVX-512 ones also run emulated in
-    # test_emulated_avx512.py). Head dim 64 and 128 take the vector paths.
-    attention = choose_attention(_env(dtype), "kernel", "kernel")
+    # test_emulated_avx512.py).
+    attention = choose_attention(_env(dtype, dim=dim), "kernel", "kernel")
     for backend in (attention.decode, attention.prefill):
         backend.max_path = path  # type: ignore[attr-defined]
     slots = random.Random(6).sample(range(1, SLOTS), 200)
     layout, rows = _step([(slots, 150, 1), (slots[:120], 90, 30)])
     gen = torch.Generator().manual_seed(path)
-    cache = LayerKV(torch.randn(KV_HEADS, SLOTS, DIM, generator=gen).to(dtype),
-                    torch.randn(KV_HEADS, SLOTS, DIM, generator=gen).to(dtype))
-    q, k, v = (torch.randn(31, h, DIM, generator=gen).to(dtype)
+    cache = LayerKV(torch.randn(KV_HEADS, SLOTS, dim, generator=gen).to(dtype),
+                    torch.randn(KV_HEADS, SLOTS, dim, generator=gen).to(dtype))
+    q, k, v = (torch.randn(31, h, dim, generator=gen).to(dtype)
                for h in (HEADS, KV_HEADS, KV_HEADS))
     for layer in LAYERS[3:5]:
         got = attention.forward(q, k, v, cache, attention.plan(layout), layer)
@@ -187,23 +194,25 @@ def test_a_mistake_in_window_scale_or_sinks_shows():
         assert (got - other).abs().max().item() > 1e-2, wrong
 
 
+@pytest.mark.parametrize("dim", DIMS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("path", range(len(path_names("attention"))))
-def test_kernel_rows_are_bitwise_the_same_decoded_or_prefilled_in_any_chunks(dtype, path):
+def test_kernel_rows_are_bitwise_the_same_decoded_or_prefilled_in_any_chunks(dtype, path, dim):
     # A 120-token prompt with a 16-token window, a scale and sinks: one chunk, three chunks
     # and one row at a time (each beside another request's decode row) give the same bits, on
-    # every vector path (a path above this CPU's runs as the best it has).
+    # every vector path (a path above this CPU's runs as the best it has), and match the
+    # float64 reference.
     layer = LAYERS[4]
-    attention = choose_attention(_env(dtype), "kernel", "kernel")
+    attention = choose_attention(_env(dtype, dim=dim), "kernel", "kernel")
     for backend in (attention.decode, attention.prefill):
         backend.max_path = path  # type: ignore[attr-defined]
     gen = torch.Generator().manual_seed(3)
-    cache = LayerKV(torch.randn(KV_HEADS, SLOTS, DIM, generator=gen).to(dtype),
-                    torch.randn(KV_HEADS, SLOTS, DIM, generator=gen).to(dtype))
+    cache = LayerKV(torch.randn(KV_HEADS, SLOTS, dim, generator=gen).to(dtype),
+                    torch.randn(KV_HEADS, SLOTS, dim, generator=gen).to(dtype))
     prompt = random.Random(4).sample(range(1, 1000), 120)
     other = list(range(1000, 1300))
-    q = torch.randn(120, HEADS, DIM, generator=gen).to(dtype)
-    q_other = torch.randn(1, HEADS, DIM, generator=gen).to(dtype)
+    q = torch.randn(120, HEADS, dim, generator=gen).to(dtype)
+    q_other = torch.randn(1, HEADS, dim, generator=gen).to(dtype)
 
     def run(parts: list[tuple[int, int]]) -> torch.Tensor:
         outs = []
@@ -222,6 +231,9 @@ def test_kernel_rows_are_bitwise_the_same_decoded_or_prefilled_in_any_chunks(dty
         return torch.cat(outs)
 
     whole = run([(0, 120)])
+    want = _reference(q, cache.k, cache.v, prompt, list(range(120)), layer)
+    tolerance = 3e-5 if dtype == torch.float32 else 3e-2
+    assert (whole.double() - want).abs().max().item() < tolerance
     assert torch.equal(run([(0, 17), (17, 64), (81, 39)]), whole)
     assert torch.equal(run([(0, 100)] + [(i, 1) for i in range(100, 120)]), whole)
 
