@@ -67,8 +67,8 @@ void rs_skinny_float(const radixserve::float_panels::Problem* problem, const voi
 
 // One row's attention over one kv head's pool, as paged_attention's AVX-512 paths compute it:
 // path 2 (attend_avx512: float32 q, a float32 or bfloat16 pool) or 3 (attend_bf16: bfloat16 q
-// and pool); dim 64 or 128; with attention sinks or none. Scratch: scores [groups * n], probs
-// [groups * (n + 2)], totals [groups].
+// and pool); dim 64, 96, 128 or 256; with attention sinks or none. Scratch: scores
+// [groups * n], probs [groups * (n + 2)], totals [groups].
 struct AttendCall {
   int64_t path, bf16, dim, n, groups;
   double scale;
@@ -91,25 +91,36 @@ void rs_attend(const AttendCall* c) {
   using c10::BFloat16;
   const auto scale = static_cast<float>(c->scale);
   const auto* q = static_cast<const float*>(c->q);
+  const int64_t d = c->dim;
   if (c->path == 3) {
     const auto* qh = static_cast<const BFloat16*>(c->q);
     const auto* k = static_cast<const BFloat16*>(c->keys);
     const auto* v = static_cast<const BFloat16*>(c->values);
     auto* out = static_cast<BFloat16*>(c->out);
-    (c->dim == 64 ? attend_bf16<64> : attend_bf16<128>)(
-        qh, k, v, c->slots, c->n, c->groups, scale, c->sinks, c->scores, c->probs, c->totals, out);
+    const auto at_dim = d == 64    ? attend_bf16<64>
+                        : d == 96  ? attend_bf16<96>
+                        : d == 128 ? attend_bf16<128>
+                                   : attend_bf16<256>;
+    at_dim(qh, k, v, c->slots, c->n, c->groups, scale, c->sinks, c->scores, c->probs,
+           c->totals, out);
   } else if (c->bf16) {
     const auto* k = static_cast<const BFloat16*>(c->keys);
     const auto* v = static_cast<const BFloat16*>(c->values);
     auto* out = static_cast<BFloat16*>(c->out);
-    (c->dim == 64 ? attend_avx512<BFloat16, 64> : attend_avx512<BFloat16, 128>)(
-        q, k, v, c->slots, c->n, c->groups, scale, c->sinks, c->scores, out);
+    const auto at_dim = d == 64    ? attend_avx512<BFloat16, 64>
+                        : d == 96  ? attend_avx512<BFloat16, 96>
+                        : d == 128 ? attend_avx512<BFloat16, 128>
+                                   : attend_avx512<BFloat16, 256>;
+    at_dim(q, k, v, c->slots, c->n, c->groups, scale, c->sinks, c->scores, out);
   } else {
     const auto* k = static_cast<const float*>(c->keys);
     const auto* v = static_cast<const float*>(c->values);
     auto* out = static_cast<float*>(c->out);
-    (c->dim == 64 ? attend_avx512<float, 64> : attend_avx512<float, 128>)(
-        q, k, v, c->slots, c->n, c->groups, scale, c->sinks, c->scores, out);
+    const auto at_dim = d == 64    ? attend_avx512<float, 64>
+                        : d == 96  ? attend_avx512<float, 96>
+                        : d == 128 ? attend_avx512<float, 128>
+                                   : attend_avx512<float, 256>;
+    at_dim(q, k, v, c->slots, c->n, c->groups, scale, c->sinks, c->scores, out);
   }
 }
 

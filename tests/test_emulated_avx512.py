@@ -155,13 +155,14 @@ ATTENTION_PATHS = [(2, torch.float32), (2, torch.bfloat16), (3, torch.bfloat16)]
 @pytest.mark.parametrize("path, dtype", ATTENTION_PATHS,
                          ids=["avx512-float32", "avx512-bfloat16", "avx512-bf16-bfloat16"])
 def test_attention_avx512_paths_match_float64(image: Path, path: int, dtype: torch.dtype):
-    """One row and kv head per call, as paged_attention runs them: head dims 64 and 128,
-    1-5 query heads per kv head (attend_bf16 weighs values 4 or 2 heads at a time), contexts
+    """One row and kv head per call, as paged_attention runs them: head dims 64, 96, 128 and
+    256 (attend_bf16 weighs 256 dims' values in two slices of 128), 1-5 query heads per kv
+    head (attend_bf16 weighs values 4 or 2 heads at a time), contexts
     shorter and longer than 16 keys and odd (keys are scored 16 at a time, values read in
     pairs), slots scattered over the pool, with attention sinks and without. Tolerances as
     test_paged_attention's."""
     calls, checks = [], []
-    for dim in (64, 128):
+    for dim in (64, 96, 128, 256):
         for groups, n, with_sinks in [(1, 1, False), (2, 15, True), (4, 16, False),
                                       (5, 17, True), (3, 100, False), (3, 100, True)]:
             gen = torch.Generator().manual_seed(dim + 10 * groups + n)

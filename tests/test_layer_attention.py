@@ -38,28 +38,48 @@ class Table:
         return np.asarray(self.slots[start:end], dtype=np.int32)
 
 
-def _env(dtype: torch.dtype, window: int | None = None) -> AttentionEnv:
-    return AttentionEnv(num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM, window=window,
+def _env(dtype: torch.dtype, window: int | None = None, dim: int = DIM) -> AttentionEnv:
+    return AttentionEnv(num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=dim, window=window,
                         num_slots=SLOTS, device=torch.device("cpu"), dtype=dtype,
                         native_bf16=False)
 
 
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: list[int],
-               position: int, layer: LayerAttention) -> torch.Tensor:
-    """Float64 attention of one row at `position` over slots[:position + 1], as HF computes
-    it: the window keeps positions p - window < j <= p, a sink is a softmax column dropped
-    after the softmax."""
-    low = 0 if layer.window is None else max(0, position - layer.window + 1)
-    idx = torch.tensor(slots[low:position + 1])
+               positions: list[int], layer: LayerAttention) -> torch.Tensor:
+    """Float64 attention of rows at `positions` (q [n, H, D]) over slots[:position + 1] each,
+    as HF computes it: the window keeps positions p - window < j <= p, a sink is a softmax
+    column dropped after the softmax."""
+    context = max(positions) + 1
+    idx = torch.tensor(slots[:context])
     groups = HEADS // KV_HEADS
-    keys = k[:, idx].double().repeat_interleave(groups, 0)
+    keys = k[:, idx].double().repeat_interleave(groups, 0)  # [H, context, D]
     values = v[:, idx].double().repeat_interleave(groups, 0)
-    scale = DIM**-0.5 if layer.scale is None else layer.scale
-    scores = torch.einsum("hd,htd->ht", q.double(), keys) * scale
+    scale = q.shape[-1]**-0.5 if layer.scale is None else layer.scale
+    scores = torch.einsum("nhd,hcd->hnc", q.double(), keys) * scale
+    cols, rows = torch.arange(context)[None, :], torch.tensor(positions)[:, None]
+    allowed = cols <= rows
+    if layer.window is not None:
+        allowed &= cols > rows - layer.window
+    scores = scores.masked_fill(~allowed, float("-inf"))
     if layer.sinks is not None:
-        scores = torch.cat((scores, layer.sinks.double()[:, None]), dim=-1)
-    probs = torch.softmax(scores, dim=-1)[:, : len(idx)]
-    return torch.einsum("ht,htd->hd", probs, values)
+        sink = layer.sinks.double()[:, None, None].expand(HEADS, len(positions), 1)
+        scores = torch.cat((scores, sink), dim=-1)
+    probs = torch.softmax(scores, dim=-1)[..., :context]
+    return torch.einsum("hnc,hcd->nhd", probs, values)
+
+
+def _reference_step(q: torch.Tensor, cache: LayerKV, rows: list[tuple],
+                    layer: LayerAttention) -> torch.Tensor:
+    """_reference over a step's rows, a request's consecutive rows at once."""
+    out, start = [], 0
+    while start < len(rows):
+        end = start
+        while end < len(rows) and rows[end][0] is rows[start][0]:
+            end += 1
+        positions = [position for _, position in rows[start:end]]
+        out.append(_reference(q[start:end], cache.k, cache.v, rows[start][0], positions, layer))
+        start = end
+    return torch.cat(out)
 
 
 def _step(requests: list[tuple[list[int], int, int]]) -> tuple[StepLayout, list[tuple]]:
@@ -117,13 +137,41 @@ def test_every_backend_honours_each_layers_window_scale_and_sinks(dtype, decode,
         k = torch.randn(len(rows), KV_HEADS, DIM, generator=gen).to(dtype)
         v = torch.randn(len(rows), KV_HEADS, DIM, generator=gen).to(dtype)
         got = attention.forward(q, k, v, cache, plan, layer)
-        want = torch.stack([_reference(q[i], cache.k, cache.v, slots, position,
-                                       layer or LayerAttention())
-                            for i, (slots, position) in enumerate(rows)])
+        want = _reference_step(q, cache, rows, layer or LayerAttention())
         error = (got.double() - want).abs().max().item()
         assert error < tolerance, (layer, error)
     # Each window was planned once for the step, whatever number of layers used it.
     assert set(plan.by_window) == {None, 16, 7, 300}
+
+
+# Head dims of the vector paths (64, 96, 128, 256) the engine serves: small models' and
+# gpt-oss's 64, Gemma 3's 256 (test_paged_attention covers all four without a layer's
+# parameters).
+DIMS = [64, 256]
+
+
+@pytest.mark.parametrize("dim", DIMS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("path", range(len(path_names("attention"))))
+def test_every_kernel_path_honours_window_scale_and_sinks(dtype, path, dim):
+    # The portable, AVX2 and AVX-512 paths each against the reference (a path above this
+    # CPU's runs as the best it has; the AVX-512 ones also run emulated in
+    # test_emulated_avx512.py).
+    attention = choose_attention(_env(dtype, dim=dim), "kernel", "kernel")
+    for backend in (attention.decode, attention.prefill):
+        backend.max_path = path  # type: ignore[attr-defined]
+    slots = random.Random(6).sample(range(1, SLOTS), 200)
+    layout, rows = _step([(slots, 150, 1), (slots[:120], 90, 30)])
+    gen = torch.Generator().manual_seed(path)
+    cache = LayerKV(torch.randn(KV_HEADS, SLOTS, dim, generator=gen).to(dtype),
+                    torch.randn(KV_HEADS, SLOTS, dim, generator=gen).to(dtype))
+    q, k, v = (torch.randn(31, h, dim, generator=gen).to(dtype)
+               for h in (HEADS, KV_HEADS, KV_HEADS))
+    for layer in LAYERS[3:5]:
+        got = attention.forward(q, k, v, cache, attention.plan(layout), layer)
+        want = _reference_step(q, cache, rows, layer)
+        tolerance = 3e-5 if dtype == torch.float32 else 3e-2
+        assert (got.double() - want).abs().max().item() < tolerance, layer
 
 
 def test_a_mistake_in_window_scale_or_sinks_shows():
@@ -146,23 +194,25 @@ def test_a_mistake_in_window_scale_or_sinks_shows():
         assert (got - other).abs().max().item() > 1e-2, wrong
 
 
+@pytest.mark.parametrize("dim", DIMS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("path", range(len(path_names("attention"))))
-def test_kernel_rows_are_bitwise_the_same_decoded_or_prefilled_in_any_chunks(dtype, path):
+def test_kernel_rows_are_bitwise_the_same_decoded_or_prefilled_in_any_chunks(dtype, path, dim):
     # A 120-token prompt with a 16-token window, a scale and sinks: one chunk, three chunks
     # and one row at a time (each beside another request's decode row) give the same bits, on
-    # every vector path (a path above this CPU's runs as the best it has).
+    # every vector path (a path above this CPU's runs as the best it has), and match the
+    # float64 reference.
     layer = LAYERS[4]
-    attention = choose_attention(_env(dtype), "kernel", "kernel")
+    attention = choose_attention(_env(dtype, dim=dim), "kernel", "kernel")
     for backend in (attention.decode, attention.prefill):
         backend.max_path = path  # type: ignore[attr-defined]
     gen = torch.Generator().manual_seed(3)
-    cache = LayerKV(torch.randn(KV_HEADS, SLOTS, DIM, generator=gen).to(dtype),
-                    torch.randn(KV_HEADS, SLOTS, DIM, generator=gen).to(dtype))
+    cache = LayerKV(torch.randn(KV_HEADS, SLOTS, dim, generator=gen).to(dtype),
+                    torch.randn(KV_HEADS, SLOTS, dim, generator=gen).to(dtype))
     prompt = random.Random(4).sample(range(1, 1000), 120)
     other = list(range(1000, 1300))
-    q = torch.randn(120, HEADS, DIM, generator=gen).to(dtype)
-    q_other = torch.randn(1, HEADS, DIM, generator=gen).to(dtype)
+    q = torch.randn(120, HEADS, dim, generator=gen).to(dtype)
+    q_other = torch.randn(1, HEADS, dim, generator=gen).to(dtype)
 
     def run(parts: list[tuple[int, int]]) -> torch.Tensor:
         outs = []
@@ -181,6 +231,9 @@ def test_kernel_rows_are_bitwise_the_same_decoded_or_prefilled_in_any_chunks(dty
         return torch.cat(outs)
 
     whole = run([(0, 120)])
+    want = _reference(q, cache.k, cache.v, prompt, list(range(120)), layer)
+    tolerance = 3e-5 if dtype == torch.float32 else 3e-2
+    assert (whole.double() - want).abs().max().item() < tolerance
     assert torch.equal(run([(0, 17), (17, 64), (81, 39)]), whole)
     assert torch.equal(run([(0, 100)] + [(i, 1) for i in range(100, 120)]), whole)
 
@@ -209,6 +262,5 @@ def test_the_model_default_window_still_applies_without_a_layer_attention():
     q, k, v = (torch.randn(40, h, DIM, generator=gen) for h in (HEADS, KV_HEADS, KV_HEADS))
     got = attention.forward(q, k, v, cache, plan)
     assert torch.equal(got, attention.forward(q, k, v, cache, plan, LayerAttention(window=8)))
-    want = torch.stack([_reference(q[i], cache.k, cache.v, slots, i, LayerAttention(window=8))
-                        for i in range(40)])
+    want = _reference_step(q, cache, rows, LayerAttention(window=8))
     assert (got.double() - want).abs().max().item() < 3e-5

@@ -90,12 +90,16 @@ def test_kernel_builds_here_and_reports_the_cpu_path():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"),
-                         [(9, 3, 64), (4, 4, 64), (7, 1, 64), (8, 2, 128), (6, 2, 128)])
+                         [(9, 3, 64), (4, 4, 64), (7, 1, 64), (8, 2, 128), (6, 2, 128),
+                          (6, 2, 96), (4, 1, 256), (6, 2, 256)])
 def test_every_path_matches_float64(dtype, path, heads, kv_heads, dim):
     # Lengths cover one key, partial blocks of 4, 8 and 16 keys, an odd tail (V is read in
     # pairs on the BF16 path), L1-sized key blocks and long contexts; head counts cover the
-    # bfloat16 path's blocks of query heads (4 at dim 64, 2 at dim 128) and their remainders.
-    # A path above this CPU's runs as the best it has.
+    # bfloat16 path's blocks of query heads (4 at dim 64, 2 at dims 96, 128 and 256) and their
+    # remainders; dim 256 (Gemma 3's; 4 query heads per kv head as its 1B) is read in slices
+    # of 128 dims on the AVX2 and BF16 paths and scored in two passes on the AMX one, and 96
+    # (Phi-3-mini's) runs path 3 where AMX is (its tiles are 64 dims wide). A path above this
+    # CPU's runs as the best it has.
     lengths = [1, 3, 15, 16, 17, 33, 64, 65, 301]
     q, k, v, tables = _case(dtype, heads, kv_heads, dim, lengths, seed=heads * dim + path)
     scale = dim**-0.5

@@ -1,6 +1,7 @@
 """Sliding-window layers with the prefix cache, on prompts longer than the window: a
 Mistral-shaped model (every layer windowed) and a Llama-shaped one whose odd layers attend to a
-16-token window through `LayerAttention` (Gemma 3's and gpt-oss's mix). Output with the cache
+16-token window through `LayerAttention` (Gemma 3's and gpt-oss's mix), one of them and one
+full layer with attention sinks (gpt-oss's). Output with the cache
 on and chunked prefill equals the cache off and one chunk, token for token; a hypothesis state
 machine inserts, extends, branches and evicts, checking every answer and the pool's books."""
 
@@ -42,7 +43,7 @@ def _save(model, directory: Path, model_path: Path) -> str:
     return str(directory)
 
 
-def _engines(path: str, windows: list[int | None] | None) -> tuple[LLM, LLM]:
+def _engines(path: str, layers: list[LayerAttention | None] | None) -> tuple[LLM, LLM]:
     """(cache on, 16-token chunks, a small pool that evicts; cache off, one chunk)."""
     common = dict(dtype="float32", show_progress=False, quantization="none",
                   debug_invariants=True)
@@ -50,12 +51,11 @@ def _engines(path: str, windows: list[int | None] | None) -> tuple[LLM, LLM]:
                  **common)
     plain = LLM(path, prefix_cache="off", kv_cache_tokens=2048, **common)
     for llm in (cached, plain):
-        if windows is not None:
+        if layers is not None:
             model = llm.engine.model
-            model.stack = None  # the C++ stack runs the model's one window
-            for layer, window in zip(model.layers, windows, strict=True):
-                layer.self_attn.layer_attention = (None if window is None
-                                                   else LayerAttention(window=window))
+            model.stack = None  # the C++ stack runs the model's one window, no sinks
+            for layer, attention in zip(model.layers, layers, strict=True):
+                layer.self_attn.layer_attention = attention
     return cached, plain
 
 
@@ -75,7 +75,9 @@ def mixed(tmp_path_factory, model_path) -> tuple[LLM, LLM]:
     cfg = transformers.LlamaConfig(**SMALL, num_hidden_layers=4, tie_word_embeddings=False)
     path = _save(transformers.LlamaForCausalLM(cfg), tmp_path_factory.mktemp("mixed"),
                  model_path)
-    return _engines(path, [None, WINDOW, None, WINDOW])
+    sinks = torch.tensor([1.5, -0.5])  # one per query head
+    return _engines(path, [None, LayerAttention(window=WINDOW, sinks=sinks),
+                           LayerAttention(sinks=sinks), LayerAttention(window=WINDOW)])
 
 
 def _tokens(rng: random.Random, n: int) -> list[int]:

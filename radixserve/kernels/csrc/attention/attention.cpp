@@ -195,6 +195,7 @@ RS_AVX2 void attend_tile_avx2(const float* q, int64_t tile, const int64_t* n, co
                               float* acc, T* const* outs) {
   constexpr int W = D / 8;
   constexpr int64_t kBlock = 4096 / D;  // 16 KB of float32 keys: an L1-sized block
+  constexpr int kSlice = std::min(D, 128);  // dims whose value sums are in registers at once
   int64_t longest = 0;
   for (int64_t r = 0; r < tile; ++r) longest = std::max(longest, n[r]);
   for (int64_t start = 0; start < longest; start += kBlock) {
@@ -231,15 +232,20 @@ RS_AVX2 void attend_tile_avx2(const float* q, int64_t tile, const int64_t* n, co
       const int32_t* slots = tables[r];
       for (int64_t g = 0; g < groups && start < end; ++g) {
         const float* s = scores + (r * groups + g) * stride;
-        float* a = acc + (r * groups + g) * D;
-        __m256 sum[W];
-        for (int j = 0; j < W; ++j) sum[j] = _mm256_loadu_ps(a + 8 * j);
-        for (int64_t t = start; t < end; ++t) {
-          const T* v = values + static_cast<int64_t>(slots[t]) * D;
-          const __m256 p = _mm256_set1_ps(s[t]);
-          for (int j = 0; j < W; ++j) sum[j] = _mm256_fmadd_ps(p, load8(v + 8 * j), sum[j]);
+        // At most 128 dims' sums at a time stay in the 16 registers (head_dim 256 in two
+        // passes over the block's values, each reading its half of every row).
+        for (int d0 = 0; d0 < D; d0 += kSlice) {
+          float* a = acc + (r * groups + g) * D + d0;
+          __m256 sum[kSlice / 8];
+          for (int j = 0; j < kSlice / 8; ++j) sum[j] = _mm256_loadu_ps(a + 8 * j);
+          for (int64_t t = start; t < end; ++t) {
+            const T* v = values + static_cast<int64_t>(slots[t]) * D + d0;
+            const __m256 p = _mm256_set1_ps(s[t]);
+            for (int j = 0; j < kSlice / 8; ++j)
+              sum[j] = _mm256_fmadd_ps(p, load8(v + 8 * j), sum[j]);
+          }
+          for (int j = 0; j < kSlice / 8; ++j) _mm256_storeu_ps(a + 8 * j, sum[j]);
         }
-        for (int j = 0; j < W; ++j) _mm256_storeu_ps(a + 8 * j, sum[j]);
       }
     }
   }
@@ -257,18 +263,24 @@ RS_AVX2 void attend_tile_avx2(const float* q, int64_t tile, const int64_t* n, co
 // The vector path (an index of the family's names in cpu_features.cpp, which also says what
 // each needs of the CPU): 0 portable C++, 1 AVX2 with FMA, 2 AVX-512, 3 AVX-512 with BF16
 // (bfloat16 pools only; float32 ones run path 2 there), 4 that and AMX-BF16 tile multiplies
-// (bfloat16 pools with head_dim 64 or 128 and 2 to 16 query heads per kv head; others run path
-// 3: with one query per kv head, a decode row's tile would hold one query, and runs slower
+// (bfloat16 pools with head_dim 64, 128 or 256 and 2 to 16 query heads per kv head; others run
+// path 3: with one query per kv head, a decode row's tile would hold one query, and runs slower
 // than path 3 (benchmarks/bench_decode_attention.py --compare-path)).
 inline int64_t best_path() { return radixserve::best_path(radixserve::Family::attention); }
 
-// The path a call runs at, for its dtype and shape: the vector paths take head_dim 64 and 128
-// (others run portable C++), path 3 only bfloat16 pools (float32 ones run path 2), path 4
-// only bfloat16 pools with 2 to 16 query heads per kv head (others run path 3).
+// The head dims the vector paths are built for: Llama-likes' and Qwen3's 128, gpt-oss's and
+// small models' 64, Phi-3-mini's 96, Gemma 3's 256. Paths 1-3 need a multiple of 32 (path 3
+// reads keys 32 dims at a time); others (Phi-2's 80) run portable C++.
+inline bool vector_dim(int64_t dim) { return dim == 64 || dim == 96 || dim == 128 || dim == 256; }
+
+// The path a call runs at, for its dtype and shape: the vector paths take vector_dim's head
+// dims (others run portable C++), path 3 only bfloat16 pools (float32 ones run path 2), path
+// 4 only bfloat16 pools with 2 to 16 query heads per kv head and a head_dim that is a multiple
+// of 64 (its value tiles are 64 dims wide; others run path 3).
 inline int64_t path_for(bool bfloat16, int64_t groups, int64_t dim, int64_t max_path) {
   int64_t path = std::min<int64_t>(max_path, best_path());
-  if (dim != 64 && dim != 128) return 0;
-  if (path == 4 && (!bfloat16 || groups < 2 || groups > 16)) path = 3;
+  if (!vector_dim(dim)) return 0;
+  if (path == 4 && (!bfloat16 || groups < 2 || groups > 16 || dim % 64 != 0)) path = 3;
   if (path == 3 && !bfloat16) path = 2;
   return path;
 }
@@ -387,27 +399,37 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   });
 }
 
-// `run` at a call's path (from path_for: the vector paths only see head_dim 64 or 128, path 3
-// only bfloat16).
+#ifdef RS_X86
+// `run` at path kPath with D the call's head_dim (one of vector_dim's).
+template <typename T, int kPath>
+void run_dim(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+             const at::Tensor& slots, const at::Tensor& begins, const at::Tensor& lengths,
+             float scale, const float* sinks, at::Tensor& out) {
+  const int64_t dim = q.size(2);
+  const auto at_dim = dim == 64    ? run<T, kPath, 64>
+                      : dim == 96  ? run<T, kPath, 96>
+                      : dim == 128 ? run<T, kPath, 128>
+                                   : run<T, kPath, 256>;
+  at_dim(q, k_cache, v_cache, slots, begins, lengths, scale, sinks, out);
+}
+#endif
+
+// `run` at a call's path (from path_for: the vector paths only see vector_dim's head dims,
+// path 3 only bfloat16).
 template <typename T>
 void run_path(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
               const at::Tensor& slots, const at::Tensor& begins, const at::Tensor& lengths,
               float scale, const float* sinks, int path, at::Tensor& out) {
-  const bool d64 = q.size(2) == 64;
 #ifdef RS_X86
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     if (path == 3)
-      return (d64 ? run<T, 3, 64> : run<T, 3, 128>)(q, k_cache, v_cache, slots, begins, lengths,
-                                                    scale, sinks, out);
+      return run_dim<T, 3>(q, k_cache, v_cache, slots, begins, lengths, scale, sinks, out);
   }
   if (path >= 2)
-    return (d64 ? run<T, 2, 64> : run<T, 2, 128>)(q, k_cache, v_cache, slots, begins, lengths,
-                                                  scale, sinks, out);
+    return run_dim<T, 2>(q, k_cache, v_cache, slots, begins, lengths, scale, sinks, out);
   if (path == 1)
-    return (d64 ? run<T, 1, 64> : run<T, 1, 128>)(q, k_cache, v_cache, slots, begins, lengths,
-                                                  scale, sinks, out);
+    return run_dim<T, 1>(q, k_cache, v_cache, slots, begins, lengths, scale, sinks, out);
 #endif
-  (void)d64;
   run<T, 0, 0>(q, k_cache, v_cache, slots, begins, lengths, scale, sinks, out);
 }
 
@@ -531,8 +553,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
   const float fscale = static_cast<float>(scale);
 #ifdef RS_X86
   if (path == 4) {
-    (q.size(2) == 64 ? run_amx<64> : run_amx<128>)(q, k_cache, v_cache, slots, begins, lengths,
-                                                    fscale, sp_sinks, out);
+    const int64_t dim = q.size(2);
+    const auto at_dim = dim == 64 ? run_amx<64> : dim == 128 ? run_amx<128> : run_amx<256>;
+    at_dim(q, k_cache, v_cache, slots, begins, lengths, fscale, sp_sinks, out);
     return out;
   }
 #endif

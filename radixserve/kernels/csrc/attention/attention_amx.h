@@ -1,4 +1,4 @@
-// attention.cpp's AMX path: bfloat16 pools on CPUs with AMX-BF16, head_dim 64 or 128.
+// attention.cpp's AMX path: bfloat16 pools on CPUs with AMX-BF16, head_dim 64, 128 or 256.
 // One call attends a tile of up to 16 queries (the query heads of one kv head, for the rows of
 // one context: a prefill chunk's rows, or one decode row) with tile multiplies:
 //
@@ -36,6 +36,7 @@ namespace radixserve::attention {
 namespace {
 
 constexpr int kQueries = 16;  // queries per tile (B's and C's columns)
+constexpr int kMaxDim = 256;  // the widest head_dim
 
 // Scratch that grows and is not initialised (std::vector's resize would write every element,
 // on every call: the buffers live for one call of the op).
@@ -53,8 +54,9 @@ struct Buffer {
   }
 };
 
-// Every tile 16 rows of 64 bytes. Scores: B (queries) in tmm2-3 (D 64) or tmm2-5 (D 128), A
-// (keys) in tmm1 and tmm7, C in tmm0 and tmm6. Output: C (four 16-dim slices) in tmm0-3, A
+// Every tile 16 rows of 64 bytes. Scores: B (queries) in tmm2-3 (D 64) or tmm2-5 (D 128; D
+// 256: dims 0-127, then dims 128-255 in a second pass), A (keys) in tmm1 and tmm7, C in tmm0
+// and tmm6. Output: C (four 16-dim slices) in tmm0-3, A
 // (probabilities) in tmm4, B (values) in tmm5-6.
 constexpr amx::TileConfig attention_config() {
   amx::TileConfig c;
@@ -214,10 +216,10 @@ struct TiledContext {
 struct AmxScratch {
   Buffer<float> scores;  // [keys][16 queries]
   Buffer<uint16_t> probs;  // [keys / 32][16 queries][32 keys], bfloat16
-  alignas(64) uint32_t queries[4][16][16];  // B tiles of the queries' dim pairs
-  alignas(64) c10::BFloat16 keys[2][16 * 128];  // a streamed context's key blocks
+  alignas(64) uint32_t queries[kMaxDim / 32][16][16];  // B tiles of the queries' dim pairs
+  alignas(64) c10::BFloat16 keys[2][16 * kMaxDim];  // a streamed context's key blocks
   alignas(64) uint16_t values[4 * 16 * 32];  // and value tiles
-  alignas(64) float out[kQueries * 128];
+  alignas(64) float out[kQueries * kMaxDim];
 };
 
 // Query lanes' probability (unnormalised) for key t, 0 where t is past a lane's length; added
@@ -262,7 +264,7 @@ template <int D>
 RS_AMXBF16 void attend_amx(const c10::BFloat16* const* q, const int64_t* n, int count,
                            const TiledContext<D>& ctx, float scale, const float* sinks,
                            AmxScratch& s, c10::BFloat16* const* outs) {
-  static_assert(D == 64 || D == 128);
+  static_assert(D == 64 || D == 128 || D == 256);
   int64_t longest = 0;
   for (int i = 0; i < count; ++i) longest = std::max(longest, n[i]);
   const int64_t blocks = (longest + 31) / 32;
@@ -277,27 +279,39 @@ RS_AMXBF16 void attend_amx(const c10::BFloat16* const* q, const int64_t* n, int 
     for (int k = 0; k < 16; ++k) _mm512_store_si512(s.queries[c][k], r[k]);
   }
   // Two blocks of 16 keys at a time, each with its own A and C tiles, so that one block's
-  // loads and multiplies need not wait for the other's to finish.
+  // loads and multiplies need not wait for the other's to finish. B holds 128 dims of the
+  // queries (four tiles): D 256 takes a second pass over the keys for dims 128-255, adding to
+  // the first pass's sums (stored as float32 and loaded back: the same sums, in the same
+  // order, as if C had stayed in its tile).
   const int64_t tiles16 = (longest + 15) / 16;
-  RS_TILE_LOAD(2, s.queries[0], 64);
-  RS_TILE_LOAD(3, s.queries[1], 64);
-  if constexpr (D == 128) {
-    RS_TILE_LOAD(4, s.queries[2], 64);
-    RS_TILE_LOAD(5, s.queries[3], 64);
-  }
-  for (int64_t b = 0; b < tiles16; b += 2) {
-    const c10::BFloat16* k = ctx.keys_at(b, s.keys[0]);
-    const c10::BFloat16* next = b + 1 < tiles16 ? ctx.keys_at(b + 1, s.keys[1]) : nullptr;
-    RS_TILE_ZERO(0);
-    RS_TILE_ZERO(6);
-    score_slice<0>(k, next, 2 * D);
-    score_slice<1>(k, next, 2 * D);
-    if constexpr (D == 128) {
-      score_slice<2>(k, next, 2 * D);
-      score_slice<3>(k, next, 2 * D);
+  for (int pass = 0; pass < (D + 127) / 128; ++pass) {
+    RS_TILE_LOAD(2, s.queries[4 * pass], 64);
+    RS_TILE_LOAD(3, s.queries[4 * pass + 1], 64);
+    if constexpr (D >= 128) {
+      RS_TILE_LOAD(4, s.queries[4 * pass + 2], 64);
+      RS_TILE_LOAD(5, s.queries[4 * pass + 3], 64);
     }
-    RS_TILE_STORE(0, scores + b * 16 * kQueries, 64);
-    if (next) RS_TILE_STORE(6, scores + (b + 1) * 16 * kQueries, 64);
+    for (int64_t b = 0; b < tiles16; b += 2) {
+      const c10::BFloat16* k = ctx.keys_at(b, s.keys[0]) + 128 * pass;
+      const c10::BFloat16* next =
+          b + 1 < tiles16 ? ctx.keys_at(b + 1, s.keys[1]) + 128 * pass : nullptr;
+      float* sums = scores + b * 16 * kQueries;
+      if (pass == 0) {
+        RS_TILE_ZERO(0);
+        RS_TILE_ZERO(6);
+      } else {
+        RS_TILE_LOAD(0, sums, 64);
+        if (next) RS_TILE_LOAD(6, sums + 16 * kQueries, 64);
+      }
+      score_slice<0>(k, next, 2 * D);
+      score_slice<1>(k, next, 2 * D);
+      if constexpr (D >= 128) {
+        score_slice<2>(k, next, 2 * D);
+        score_slice<3>(k, next, 2 * D);
+      }
+      RS_TILE_STORE(0, sums, 64);
+      if (next) RS_TILE_STORE(6, sums + 16 * kQueries, 64);
+    }
   }
 
   // Softmax down each query's column: key t counts for query i while t < n[i].

@@ -92,7 +92,7 @@ RS_AVX512 inline float max_of(const float* s, int64_t n) {
 }
 
 // The same as attention.cpp's attend_portable, 16 floats at a time; D (head_dim) is a
-// multiple of 16. sinks: the G query heads' sinks, or null.
+// multiple of 16 (16 registers hold a 256-dim query, 16 more its value sums). sinks: the G query heads' sinks, or null.
 template <typename T, int D>
 RS_AVX512 void attend_avx512(const float* q, const T* keys, const T* values,
                              const int32_t* slots, int64_t n, int64_t groups, float scale,
@@ -131,19 +131,20 @@ RS_AVX512 void attend_avx512(const float* q, const T* keys, const T* values,
 // interleaved, against the two keys' probabilities (rounded to bfloat16, as a bfloat16 matmul
 // of probabilities and V would round them).
 // Probabilities x values for NG query heads at once (their accumulators stay in registers
-// while each pair of V rows is interleaved once). Pair lane i of chunk c holds dims
-// c*32 + 8*(i/4) + i%4 (from unpacklo) or that + 4 (from unpackhi).
-template <int D, int NG>
+// while each pair of V rows is interleaved once), over C chunks of 32 dims from dim d0 (a
+// slice of the row, so that a wide head's accumulators fit too). Pair lane i of chunk c holds
+// dims d0 + c*32 + 8*(i/4) + i%4 (from unpacklo) or that + 4 (from unpackhi).
+template <int D, int NG, int C>
 RS_AVX512BF16 void weigh_values_bf16(const uint16_t* probs, int64_t stride, const float* total,
                                      const c10::BFloat16* values, const int32_t* slots,
-                                     int64_t n, c10::BFloat16* out) {
-  constexpr int C = D / 32;
+                                     int64_t n, int d0, c10::BFloat16* out) {
   __m512 lo[NG][C], hi[NG][C];
   for (int g = 0; g < NG; ++g)
     for (int c = 0; c < C; ++c) lo[g][c] = hi[g][c] = _mm512_setzero_ps();
   for (int64_t t = 0; t < n; t += 2) {
-    const c10::BFloat16* a = values + static_cast<int64_t>(slots[t]) * D;
-    const c10::BFloat16* b = t + 1 < n ? values + static_cast<int64_t>(slots[t + 1]) * D : nullptr;
+    const c10::BFloat16* a = values + static_cast<int64_t>(slots[t]) * D + d0;
+    const c10::BFloat16* b =
+        t + 1 < n ? values + static_cast<int64_t>(slots[t + 1]) * D + d0 : nullptr;
     __m512i even[C], odd[C];
     for (int c = 0; c < C; ++c) {
       __m512i ra = _mm512_loadu_si512(a + 32 * c);
@@ -168,7 +169,7 @@ RS_AVX512BF16 void weigh_values_bf16(const uint16_t* probs, int64_t stride, cons
       _mm512_store_ps(l, _mm512_mul_ps(lo[g][c], inv));
       _mm512_store_ps(h, _mm512_mul_ps(hi[g][c], inv));
       for (int i = 0; i < 16; ++i) {
-        const int d = 32 * c + 8 * (i / 4) + i % 4;
+        const int d = d0 + 32 * c + 8 * (i / 4) + i % 4;
         out[g * D + d] = static_cast<c10::BFloat16>(l[i]);
         out[g * D + d + 4] = static_cast<c10::BFloat16>(h[i]);
       }
@@ -220,15 +221,21 @@ RS_AVX512BF16 void attend_bf16(const c10::BFloat16* q, const c10::BFloat16* keys
     }
     p[n] = p[n + 1] = 0;
   }
-  // Query heads in blocks whose accumulators fit the 32 vector registers.
-  constexpr int kBlock = D == 64 ? 4 : 2;
-  int64_t g = 0;
-  for (; g + kBlock <= groups; g += kBlock)
-    weigh_values_bf16<D, kBlock>(probs + g * stride, stride, total + g, values, slots, n,
-                                 out + g * D);
-  for (; g < groups; ++g)
-    weigh_values_bf16<D, 1>(probs + g * stride, stride, total + g, values, slots, n,
-                            out + g * D);
+  // Query heads in blocks and dims in slices of up to 128 whose accumulators (and the slice's
+  // interleaved V) fit the 32 vector registers: 4 heads at 64 dims, 2 at 96 or 128; head_dim
+  // 256 as two slices of 128, each reading its half of every V row.
+  constexpr int kChunks = std::min(C, 4);  // 32-dim chunks per slice
+  constexpr int kBlock = 8 / kChunks;
+  static_assert(C % kChunks == 0);
+  for (int d0 = 0; d0 < D; d0 += 32 * kChunks) {
+    int64_t g = 0;
+    for (; g + kBlock <= groups; g += kBlock)
+      weigh_values_bf16<D, kBlock, kChunks>(probs + g * stride, stride, total + g, values, slots,
+                                            n, d0, out + g * D);
+    for (; g < groups; ++g)
+      weigh_values_bf16<D, 1, kChunks>(probs + g * stride, stride, total + g, values, slots, n,
+                                       d0, out + g * D);
+  }
 }
 
 }  // namespace
