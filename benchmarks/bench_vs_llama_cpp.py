@@ -104,15 +104,25 @@ def cpu_summary() -> dict[str, Any]:
 
 def describe_model(path: Path) -> dict[str, Any]:
     """File size, tensor types, and the bytes one decode step reads: every matrix except the
-    embedding table, which is read one row per token unless it is also the LM head."""
+    embedding table, which is read one row per token unless it is also the LM head; of a
+    mixture-of-experts model's expert tensors (`*_exps`), the share of the experts a token
+    uses (`{arch}.expert_used_count` of `{arch}.expert_count`): its active parameters."""
     gguf_file = GGUFFile.open(path)
-    tensors = gguf_file.tensors
+    tensors, meta = gguf_file.tensors, gguf_file.metadata
+    arch = meta.get("general.architecture")
+    experts, used = meta.get(f"{arch}.expert_count", 0), meta.get(f"{arch}.expert_used_count", 0)
     tied = "output.weight" not in tensors
-    per_token = sum(t.n_bytes for name, t in tensors.items()
-                    if name != "token_embd.weight" or tied)
+
+    def read_per_token(name: str, n_bytes: int) -> int:
+        if name == "token_embd.weight" and not tied:
+            return 0
+        return n_bytes * used // experts if experts and "_exps." in name else n_bytes
+
+    per_token = sum(read_per_token(name, t.n_bytes) for name, t in tensors.items())
     return {"path": str(path), "file_bytes": path.stat().st_size,
             "tensor_types": dict(Counter(t.type_name for t in tensors.values())),
-            "weight_bytes_per_token": per_token}
+            "weight_bytes_per_token": per_token,
+            "experts": {"count": experts, "used": used} if experts else None}
 
 
 # ----- offline figures: llama-bench, and radixserve.LLM in a child process
