@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from radixserve.kernels import layer_ops
+from radixserve.model.blocks import RMSNorm
 from radixserve.model.forward_batch import Rotary
-from radixserve.model.llama import RMSNorm
 
 ops = layer_ops()
 pytestmark = [

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from radixserve import LLM, SamplingParams
+from radixserve.model.families import FAMILIES
 from radixserve.model.loader import load_tokenizer
 
 pytestmark = [pytest.mark.model]
@@ -87,5 +88,8 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "hidden_size": 8,
         "num_attention_heads": 2, "num_hidden_layers": 1, "vocab_size": 10,
         "intermediate_size": 16}))
-    with pytest.raises(ValueError, match="supported: llama, mistral, qwen2"):
+    with pytest.raises(ValueError, match="unsupported architecture 'gpt2'; supported: ") as err:
         LLM(str(tmp_path), show_progress=False)
+    for family in FAMILIES:
+        for model_type in family.hf_model_types:
+            assert model_type in str(err.value)

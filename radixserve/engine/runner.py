@@ -25,8 +25,8 @@ from radixserve.engine.scheduler import SchedulerOutput
 from radixserve.engine.structured_output import fill_masks
 from radixserve.kernels import argmax_op, token_bitmask_op
 from radixserve.layers.attention import SequenceSpan, StepAttention, StepLayout
+from radixserve.model.decoder import DecoderModel
 from radixserve.model.forward_batch import ForwardBatch
-from radixserve.model.llama import LlamaModel
 from radixserve.outputs import TokenLogprob
 
 # Prompt rows projected to logits at once: 256 x a 49k vocabulary is 50 MB of float32 (twice
@@ -61,7 +61,7 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, pool: KVPool, attention: StepAttention,
+    def __init__(self, model: DecoderModel, pool: KVPool, attention: StepAttention,
                  device: torch.device, generator: torch.Generator | None = None) -> None:
         self.model = model
         self.pool = pool

@@ -18,8 +18,8 @@ from radixserve.layers.linear import choose_linear_method
 from radixserve.layers.quantized import QuantizedLinear
 from radixserve.layers.quantized_weight import EXECUTED_TYPES, REPACKED_TYPES
 from radixserve.model.config import ModelConfig
+from radixserve.model.decoder import DecoderModel
 from radixserve.model.default_model import resolve_model_path
-from radixserve.model.llama import LlamaModel
 from radixserve.model.loader import load_model_files
 from radixserve.model.quantize import QUANTIZE_TO
 from radixserve.model.tokenizer import ChatTokenizer
@@ -45,7 +45,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 @dataclass(frozen=True)
 class EngineModel:
     path: str
-    model: LlamaModel
+    model: DecoderModel
     config: ModelConfig
     tokenizer: ChatTokenizer
 
@@ -75,8 +75,11 @@ def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype) -
     files = load_model_files(path, progress=config.show_progress, keep_quantized=keep,
                              quantize_to=quantize_to)
     ops = layer_ops() if device.type == "cpu" else None  # None: PyTorch's norms and rotary
+    max_context = min(config.max_model_len or files.config.max_position_embeddings,
+                      files.config.max_position_embeddings)
     model = build_model(files.config, files.weights, linear, ops, dtype,
-                        progress=config.show_progress).to(device).eval()
+                        progress=config.show_progress,
+                        max_context=max_context).to(device).eval()
     formats = weight_formats(model)
     logger.info("loaded %s in %.1f s: %.1f MB of weights held (%s)", path,
                 time.perf_counter() - start, sum(formats.values()) / 1e6,
@@ -93,7 +96,11 @@ def kv_pool_pages(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) 
 
 def build_attention(config: EngineConfig, model: ModelConfig, num_slots: int,
                     device: torch.device, dtype: torch.dtype) -> StepAttention:
+    windows = {model.layer_window(i) for i in range(model.num_layers)}
+    if len(windows) > 1:
+        raise ValueError(f"{model.architecture}: layers with different sliding windows are not "
+                         "supported yet")
     env = AttentionEnv(num_heads=model.num_heads, num_kv_heads=model.num_kv_heads,
-                       head_dim=model.head_dim, window=model.sliding_window,
+                       head_dim=model.head_dim, window=windows.pop(),
                        num_slots=num_slots, device=device, dtype=dtype)
     return choose_attention(env, config.attention_backend, config.prefill_attention_backend)

@@ -12,13 +12,14 @@ from collections.abc import Collection
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from tqdm import tqdm
 
 from radixserve.layers.quantized_weight import REPACKED_TYPES, QuantizedWeight
 from radixserve.model.config import ModelConfig
+from radixserve.model.families import gguf_family, hf_family
+from radixserve.model.family import GGUFModel, Weights
 from radixserve.model.gguf_file import GGUFFile, GGUFTensor, dequantize
 from radixserve.model.quantize import quantize, repack
 from radixserve.model.tokenizer import ChatTokenizer, load_gguf_tokenizer, load_hf_tokenizer
@@ -28,28 +29,10 @@ GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q3_
               "Q5_K", "Q6_K")
 FLOAT_TYPES = ("F32", "F16", "BF16")
 
-_GGUF_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_GGUF_TOP_NAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-
-
 @dataclass
 class LoadedModel:
     config: ModelConfig
-    weights: dict[str, torch.Tensor | QuantizedWeight]  # HF names; float32 or kept blocks
+    weights: Weights  # HF names; float32 or kept blocks
     tokenizer: ChatTokenizer
     source: str  # what was loaded, for logs
 
@@ -82,11 +65,12 @@ def _load_hf_dir(path: Path, progress: bool, quantize_to: str | None) -> LoadedM
     from safetensors import safe_open
 
     raw = json.loads((path / "config.json").read_text())
-    config = ModelConfig.from_hf(raw)
+    family = hf_family(raw.get("model_type", ""))
+    config = family.config_from_hf(raw)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path} has no *.safetensors weights (.bin files are not supported)")
-    weights: dict[str, torch.Tensor | QuantizedWeight] = {}
+    weights: Weights = {}
     with ExitStack() as stack:
         handles = [stack.enter_context(safe_open(str(file), framework="pt")) for file in files]
         names = [(f, name) for f in handles for name in f.keys()
@@ -97,6 +81,8 @@ def _load_hf_dir(path: Path, progress: bool, quantize_to: str | None) -> LoadedM
             matrix = tensor.dim() == 2 and tensor.shape[1] % 32 == 0
             weights[name] = (_quantized(tensor, quantize_to) if quantize_to and matrix
                              else tensor.float())
+    if family.hf_fixup is not None:
+        config = family.hf_fixup(config, weights)
     return LoadedModel(config, weights, load_hf_tokenizer(path), str(path))
 
 
@@ -105,88 +91,20 @@ def _quantized(weight: torch.Tensor, type_name: str) -> QuantizedWeight:
     return QuantizedWeight(type_name, rows, cols, quantize(weight, type_name))
 
 
-def _unpermute_qk(w: torch.Tensor | QuantizedWeight, n_head: int) -> torch.Tensor | QuantizedWeight:
-    # llama.cpp's converter interleaves each head's rotary halves for its own RoPE kernel;
-    # undo that so the weights match HF's rotate-half layout that our forward pass uses.
-    if isinstance(w, QuantizedWeight):  # a pure row permutation, applied as the kernel packs
-        return w.permute_rows(_unpermute_qk(torch.arange(w.rows), n_head))
-    rows = w.shape[0]
-    return (
-        w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:])
-        .transpose(1, 2)
-        .reshape(w.shape)
-    )
-
-
 def _load_gguf(path: Path, progress: bool, keep: frozenset[str],
                quantize_to: str | None) -> LoadedModel:
     gguf_file = GGUFFile.open(path)
     meta = gguf_file.metadata
-    arch = meta.get("general.architecture")
-    if arch not in ("llama", "qwen2", "mistral"):
-        raise ValueError(
-            f"GGUF architecture {arch!r} is not supported (supported: llama, qwen2, mistral)"
-        )
-
-    def key(name: str, default: Any = None) -> Any:
-        return meta.get(f"{arch}.{name}", default)
-
+    family = gguf_family(meta.get("general.architecture"))
     tokenizer = load_gguf_tokenizer(meta)
-    heads = key("attention.head_count")
-    hidden = key("embedding_length")
-    names = set(gguf_file.tensors)
-    scaling = None
-    if key("rope.scaling.type") == "linear":
-        scaling = {"rope_type": "linear", "factor": key("rope.scaling.factor")}
-    config = ModelConfig(
-        architecture="llama" if arch == "mistral" else arch,
-        vocab_size=key("vocab_size") or len(meta["tokenizer.ggml.tokens"]),
-        hidden_size=hidden,
-        intermediate_size=key("feed_forward_length"),
-        num_layers=key("block_count"),
-        num_heads=heads,
-        num_kv_heads=key("attention.head_count_kv") or heads,
-        head_dim=key("attention.key_length") or hidden // heads,
-        rms_norm_eps=key("attention.layer_norm_rms_epsilon", 1e-5),
-        rope_theta=key("rope.freq_base", 10000.0),
-        max_position_embeddings=key("context_length", 4096),
-        tie_word_embeddings="output.weight" not in names,
-        attention_bias="blk.0.attn_q.bias" in names,
-        rope_scaling=scaling,
-    )
-    weights: dict[str, torch.Tensor | QuantizedWeight] = {}
+    config = family.config_from_gguf(GGUFModel(meta, frozenset(gguf_file.tensors)))
+    weights: Weights = {}
     tensors = gguf_file.tensors.values()
     for tensor in tqdm(tensors, desc="Loading weights", unit="tensor", disable=not progress):
-        weights[_hf_name(tensor.name)] = _gguf_weight(tensor, keep, quantize_to)
-    if arch in ("llama", "mistral"):
-        for i in range(config.num_layers):
-            q = f"model.layers.{i}.self_attn.q_proj.weight"
-            k = f"model.layers.{i}.self_attn.k_proj.weight"
-            weights[q] = _unpermute_qk(weights[q], config.num_heads)
-            weights[k] = _unpermute_qk(weights[k], config.num_kv_heads)
-    if "rope_freqs.weight" in weights:
-        # Llama 3.1+ GGUFs store the llama3 rope scaling as per-frequency divisors.
-        factors = weights.pop("rope_freqs.weight")
-        config = _with_rope_factors(config, factors)
+        weights[family.hf_name(tensor.name)] = _gguf_weight(tensor, keep, quantize_to)
+    if family.gguf_fixup is not None:
+        config = family.gguf_fixup(config, weights)
     return LoadedModel(config, weights, tokenizer, str(path))
-
-
-def _with_rope_factors(config: ModelConfig, factors: torch.Tensor) -> ModelConfig:
-    from dataclasses import replace
-
-    return replace(config, rope_scaling={"rope_type": "factors", "factors": factors.tolist()})
-
-
-def _hf_name(name: str) -> str:
-    base, _, suffix = name.rpartition(".")
-    if base.startswith("blk."):
-        _, layer, part = base.split(".", 2)
-        if part not in _GGUF_LAYER_NAMES:
-            raise ValueError(f"unexpected GGUF tensor {name!r}")
-        return f"model.layers.{layer}.{_GGUF_LAYER_NAMES[part]}.{suffix}"
-    if base in _GGUF_TOP_NAMES:
-        return f"{_GGUF_TOP_NAMES[base]}.{suffix}"
-    return name
 
 
 def _gguf_weight(tensor: GGUFTensor, keep: frozenset[str],

@@ -6,6 +6,7 @@ Reading the files into HF-named weights is radixserve/model/loader.py's part.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import torch
@@ -16,43 +17,46 @@ from radixserve.layers.linear import Linear, LinearMethod, PanelEmbedding
 from radixserve.layers.quantized import QuantizedEmbedding
 from radixserve.layers.quantized_weight import EXECUTED_TYPES, PackedParts, QuantizedWeight
 from radixserve.model.config import ModelConfig
+from radixserve.model.decoder import DecoderModel
 from radixserve.model.decoder_stack import DecoderStack
-from radixserve.model.llama import LlamaModel, rope_inv_freq
+from radixserve.model.families import family_named
+from radixserve.model.family import Weights
 
 if TYPE_CHECKING:
     from radixserve.kernels import LayerOps
+
+logger = logging.getLogger(__name__)
 
 # A fused projection's parts, or a tensor as it is.
 StateValue = torch.Tensor | QuantizedWeight | list[torch.Tensor | QuantizedWeight]
 
 
-def build_model(config: ModelConfig, weights: dict[str, torch.Tensor | QuantizedWeight],
-                linear: LinearMethod, ops: LayerOps | None, dtype: torch.dtype,
-                progress: bool = False) -> LlamaModel:
-    """The model of `config` holding `weights` (HF names, as the loader reads them) in
-    `dtype`, on the CPU. Built on the meta device first, so no weight is allocated twice."""
+def build_model(config: ModelConfig, weights: Weights, linear: LinearMethod,
+                ops: LayerOps | None, dtype: torch.dtype, progress: bool = False,
+                max_context: int | None = None) -> DecoderModel:
+    """The model of `config` (its family's class) holding `weights` (HF names, as the loader
+    reads them) in `dtype`, on the CPU, for contexts up to `max_context` tokens (None: the
+    model's own length). Built on the meta device first, so no weight is allocated twice."""
     with torch.device("meta"):
-        model = LlamaModel(config, linear, ops)
+        model = family_named(config.family).model(config, linear, ops, max_context)
     load_weights(model, weights, dtype, progress)
     return model
 
 
-def load_weights(model: LlamaModel, weights: dict[str, torch.Tensor | QuantizedWeight],
-                 dtype: torch.dtype, progress: bool = False) -> None:
+def load_weights(model: DecoderModel, weights: Weights, dtype: torch.dtype,
+                 progress: bool = False) -> None:
     """Takes HF-named weights, fusing q/k/v and gate/up; casts float ones to `dtype`.
     `QuantizedWeight`s (GGUF blocks the linear method executes) are packed for the
     kernel, layer by layer (with a progress bar if asked). Empties `weights`, so that
     each matrix's blocks are freed once packed: a model's blocks and panels never all
-    exist at once."""
-    state, tied = _our_names(model.config, weights)
+    exist at once. Then builds the C++ decoder stack where the layers allow it."""
+    state, tied = _our_names(model, weights)
     weights.clear()
     floats = _take_quantized(model, state, dtype, tied, progress)
     missing, unexpected = model.load_state_dict(floats, strict=False, assign=True)
-    missing = [m for m in missing if m != "inv_freq"]
     if missing or unexpected:
         raise ValueError(f"weight mismatch: missing {missing}, unexpected {unexpected}")
     model.to(dtype)
-    model.inv_freq = rope_inv_freq(model.config).to(model.norm.weight.device)
     for module in model.modules():
         if isinstance(module, Linear):
             module.method.prepare(module)
@@ -61,41 +65,47 @@ def load_weights(model: LlamaModel, weights: dict[str, torch.Tensor | QuantizedW
         # The head was repacked into panels (float-panels): read the table from them
         # rather than hold it twice.
         model.embed_tokens = PanelEmbedding(model.lm_head, dtype)
-    model.stack = DecoderStack.build(model.config, model.ops,
-                                     [layer.stack_layer() for layer in model.layers], dtype)
+    blocker = model.stack_blocker()
+    if blocker is None:
+        model.stack = DecoderStack.build(model.config, model.ops, model.stack_layers(), dtype)
+    else:
+        logger.info("%s: the decoder layers run in Python (the C++ decoder stack has no %s)",
+                    model.config.architecture, blocker)
 
 
-def _our_names(cfg: ModelConfig, weights: dict[str, torch.Tensor | QuantizedWeight]
-               ) -> tuple[dict[str, StateValue], bool]:
-    """The weights under our modules' names, fused projections as lists of their parts, and
-    whether the LM head is the embedding table (tied)."""
-    embed = weights["model.embed_tokens.weight"]
+def _our_names(model: DecoderModel, weights: Weights) -> tuple[dict[str, StateValue], bool]:
+    """The weights under our modules' names (HF's without "model."), fused projections as
+    lists of their parts (the model's `fused_projections`), and whether the LM head is the
+    embedding table (tied)."""
+    cfg, fused_parts = model.config, model.fused_projections
     head = weights.get("lm_head.weight")
     tied = head is None or cfg.tie_word_embeddings
-    state: dict[str, StateValue] = {
-        "embed_tokens.weight": embed,
-        "norm.weight": weights["model.norm.weight"],
-        "lm_head.weight": embed if tied else head,
-    }
-    for i in range(cfg.num_layers):
-        p, ours = f"model.layers.{i}.", f"layers.{i}."
-        state[ours + "input_layernorm.weight"] = weights[p + "input_layernorm.weight"]
-        state[ours + "post_attention_layernorm.weight"] = weights[
-            p + "post_attention_layernorm.weight"
-        ]
-        state[ours + "self_attn.qkv_proj.weight"] = [
-            weights[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]
-        if cfg.attention_bias:
-            state[ours + "self_attn.qkv_proj.bias"] = [
-                weights[p + f"self_attn.{n}_proj.bias"] for n in "qkv"]
-        state[ours + "self_attn.o_proj.weight"] = weights[p + "self_attn.o_proj.weight"]
-        state[ours + "mlp.gate_up_proj.weight"] = [
-            weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]]
-        state[ours + "mlp.down_proj.weight"] = weights[p + "mlp.down_proj.weight"]
+    part_of = {part: (fused, i) for fused, parts in fused_parts.items()
+               for i, part in enumerate(parts)}
+    state: dict[str, StateValue] = {}
+    for name, value in weights.items():
+        if name == "lm_head.weight":
+            continue
+        ours = name.removeprefix("model.")
+        if ours.startswith("layers."):
+            _, layer, rest = ours.split(".", 2)
+            module, _, suffix = rest.rpartition(".")
+            if module in part_of:
+                fused, index = part_of[module]
+                key = f"layers.{layer}.{fused}.{suffix}"
+                parts = state.setdefault(key, [None] * len(fused_parts[fused]))  # type: ignore[list-item]
+                parts[index] = value  # type: ignore[index]
+                continue
+        state[ours] = value
+    for key, value in state.items():
+        if isinstance(value, list) and any(part is None for part in value):
+            fused = key.split(".", 2)[2].rpartition(".")[0]
+            raise ValueError(f"weight mismatch: {key} needs all of {', '.join(fused_parts[fused])}")
+    state["lm_head.weight"] = state["embed_tokens.weight"] if tied else head
     return state, tied
 
 
-def _take_quantized(model: LlamaModel, state: dict[str, StateValue], dtype: torch.dtype,
+def _take_quantized(model: DecoderModel, state: dict[str, StateValue], dtype: torch.dtype,
                     tied: bool, progress: bool) -> dict[str, torch.Tensor]:
     """Hands quantized weights to their layers and returns the float state; fused parts
     (lists) are concatenated, or kept as quantized parts where all of them are."""
@@ -116,7 +126,7 @@ def _take_quantized(model: LlamaModel, state: dict[str, StateValue], dtype: torc
     return floats
 
 
-def _load_quantized(model: LlamaModel, module: str, parts: list[QuantizedWeight], dtype: torch.dtype,
+def _load_quantized(model: DecoderModel, module: str, parts: list[QuantizedWeight], dtype: torch.dtype,
                     tied: bool) -> None:
     """Hands one module's quantized blocks (a fused projection's parts) to it."""
     cfg = model.config
@@ -133,7 +143,7 @@ def _load_quantized(model: LlamaModel, module: str, parts: list[QuantizedWeight]
         model.get_submodule(module).load_quantized(parts)
 
 
-def weight_formats(model: LlamaModel) -> dict[str, int]:
+def weight_formats(model: DecoderModel) -> dict[str, int]:
     """Bytes of weights a model holds, by format: GGUF panels by type (a table shared by the
     embedding and a tied head counted once), float tensors by dtype."""
     type_names = {type_id: name for name, type_id in EXECUTED_TYPES.items()}

@@ -1,0 +1,82 @@
+"""Rotary position embeddings: the inverse frequencies of a `RopeConfig` with its scaling
+(linear, Llama 3.1, Phi-3's LongRoPE, GGUF's per-frequency factors), and the scale LongRoPE
+puts on cos and sin. Made once when a model is built; a step turns them into angles.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from radixserve.model.config import RopeConfig
+
+SCALINGS = ("linear", "llama3", "longrope", "factors")
+
+
+@dataclass(frozen=True)
+class RopeTable:
+    """A rotary embedding as a step uses it: angles = position * inv_freq, and cos and sin
+    multiplied by `magnitude` (LongRoPE's attention factor; 1 otherwise)."""
+
+    inv_freq: torch.Tensor  # float32 [rotary_dim / 2], on the CPU
+    magnitude: float = 1.0
+
+
+def rope_table(rope: RopeConfig, rotary_dim: int, max_context: int) -> RopeTable:
+    """The table of `rope` over `rotary_dim` dimensions for contexts up to `max_context`
+    tokens. LongRoPE picks its long factors when `max_context` exceeds the pretraining length
+    (llama.cpp's rule: the choice is fixed per engine, so a cached prefix's keys never change
+    rotation; transformers switches per forward call, by the longest sequence in it).
+
+    Computed on the CPU whatever the default device (on the meta device, where a model is
+    built before its weights load, arange goes through torch._refs, which import
+    torch._dynamo, slowing every start)."""
+    steps = torch.arange(0, rotary_dim, 2, dtype=torch.float64, device="cpu")
+    inv = 1.0 / (rope.theta ** (steps / rotary_dim))
+    scaling = rope.scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    magnitude = 1.0
+    if kind == "linear":
+        inv = inv / scaling["factor"]
+    elif kind == "llama3":
+        inv = _llama3(inv, scaling)
+    elif kind == "longrope":
+        original = scaling["original_max_position_embeddings"]
+        factors = scaling["long_factor" if max_context > original else "short_factor"]
+        inv = inv / torch.tensor(factors, dtype=torch.float64)
+        magnitude = _longrope_magnitude(scaling)
+    elif kind == "factors":  # GGUF's rope_freqs tensor: per-frequency divisors
+        inv = inv / torch.tensor(scaling["factors"], dtype=torch.float64)
+        magnitude = scaling.get("attention_factor", 1.0)
+    elif kind is not None:
+        raise ValueError(f"rope scaling {kind!r} is not supported (supported: "
+                         f"{', '.join(SCALINGS[:3])})")
+    if inv.numel() != rotary_dim // 2:
+        raise ValueError(f"rope scaling gives {inv.numel()} frequencies for {rotary_dim} "
+                         "rotary dimensions")
+    return RopeTable(inv.float(), magnitude)
+
+
+def _llama3(inv: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between."""
+    factor = scaling["factor"]
+    low = scaling.get("low_freq_factor", 1.0)
+    high = scaling.get("high_freq_factor", 4.0)
+    old_ctx = scaling.get("original_max_position_embeddings", 8192)
+    wavelen = 2 * math.pi / inv
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    blended = (1 - smooth) * inv / factor + smooth * inv
+    inv = torch.where(wavelen > old_ctx / low, inv / factor, inv)
+    mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
+    return torch.where(mid, blended, inv)
+
+
+def _longrope_magnitude(scaling: dict) -> float:
+    """LongRoPE's attention factor: given, or from the context's growth over pretraining."""
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = scaling.get("factor") or 1.0
+    original = scaling["original_max_position_embeddings"]
+    return math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
