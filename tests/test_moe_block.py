@@ -17,7 +17,6 @@ import dataclasses
 
 import pytest
 import torch
-from support.quant_blocks import dequantized, random_blocks
 
 from radixserve.kernels import gguf_ops
 from radixserve.layers.experts import (
@@ -29,6 +28,7 @@ from radixserve.layers.experts import (
 from radixserve.layers.linear import DenseLinear
 from radixserve.layers.quantized_weight import EXECUTED_TYPES, QuantizedWeight
 from radixserve.model.moe import MoEBlock, MoESpec, Routing
+from tests.support.quant_blocks import dequantized, random_blocks
 
 transformers = pytest.importorskip("transformers")
 OPS = gguf_ops()

@@ -192,6 +192,13 @@ class Experts(nn.Module):
                                 if bias else None)
         self.panels: ExpertPanels | None = None
 
+    def load_quantized(self, parts: list[QuantizedWeight]) -> None:
+        """Takes the file's blocks of gate, up and down (in that order), as the model's
+        weight loader hands a module its quantized parts."""
+        if len(parts) != 3:
+            raise ValueError(f"experts take 3 quantized parts (gate, up, down), not {len(parts)}")
+        self.load_blocks(ExpertBlocks(*parts))
+
     def load_blocks(self, blocks: ExpertBlocks) -> None:
         """Takes the file's blocks for the three projections in place of float weights."""
         e, h, i = self.num_experts, self.hidden, self.inter

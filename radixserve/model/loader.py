@@ -7,6 +7,7 @@ matrices quantized as they are read (`quantize_to`, see radixserve/model/quantiz
 from __future__ import annotations
 
 import json
+import math
 import warnings
 from collections.abc import Collection
 from contextlib import ExitStack
@@ -112,12 +113,14 @@ def _gguf_weight(tensor: GGUFTensor, keep: frozenset[str],
     """The file's blocks (a format in `keep`), a float matrix quantized to `quantize_to`, or
     float32. Quantized matrices are never requantized: their blocks carry the file's own
     rounding, and decoding a Q4 tensor to store it as Q8_0 gains nothing."""
-    matrix = len(tensor.dims) == 2
+    # Matrices, and a mixture-of-experts layer's stacked experts [experts, rows, cols], kept
+    # as blocks of experts * rows.
+    matrix = len(tensor.dims) in (2, 3)
     if matrix and tensor.type_name in keep:
         return _blocks(tensor)
     if (matrix and quantize_to and tensor.type_name in FLOAT_TYPES
             and tensor.dims[0] % 32 == 0):
-        return _quantized(_float_view(tensor), quantize_to)
+        return _quantized(_float_view(tensor).reshape(-1, tensor.dims[0]), quantize_to)
     return _dequantize(tensor)
 
 
@@ -133,7 +136,8 @@ def _float_view(tensor: GGUFTensor) -> torch.Tensor:
 def _blocks(tensor: GGUFTensor) -> QuantizedWeight:
     """The tensor's blocks as a uint8 [rows, bytes per row] view of the map (no copy), or
     rewritten into an executed format (REPACKED_TYPES; see radixserve/model/quantize.py)."""
-    rows, cols = tensor.shape
+    *outer, cols = tensor.shape  # [rows, cols], or stacked experts [experts, rows, cols]
+    rows = math.prod(outer)
     if tensor.type_name in REPACKED_TYPES:
         type_name, rewritten = repack(tensor.type_name, tensor.data.reshape(rows, -1))
         return QuantizedWeight(type_name, rows, cols, rewritten)

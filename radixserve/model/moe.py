@@ -14,6 +14,11 @@ from torch import nn
 
 from radixserve.layers.experts import ExpertActivation, Experts, ExpertsMethod
 from radixserve.layers.linear import Linear, LinearMethod
+from radixserve.layers.quantized_weight import QuantizedWeight
+from radixserve.model.family import Weights
+
+# One projection of a layer's experts: all experts' matrix, or one matrix per expert.
+ExpertPart = torch.Tensor | QuantizedWeight | list[torch.Tensor | QuantizedWeight]
 
 
 @dataclass(frozen=True)
@@ -83,3 +88,37 @@ class MoEBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.routing.choose(self.gate(x).float())
         return self.experts(x, ids, weights)
+
+
+def put_experts(weights: Weights, layer: int, num_experts: int,
+                gate: ExpertPart, up: ExpertPart, down: ExpertPart) -> None:
+    """Stores one layer's experts under the names its `Experts` module takes: GGUF blocks of
+    all three as one list at `model.layers.N.mlp.experts.weight` (handed to
+    `Experts.load_quantized`), floats as `...experts.gate_up` [experts, 2 * inter, hidden]
+    and `...experts.down` [experts, hidden, inter]. Each part is all experts' matrix (3-D
+    floats, or blocks of experts * rows) or a list of one matrix per expert, as HF stores
+    Qwen3-MoE's."""
+    parts = [_joined(part, num_experts) for part in (gate, up, down)]
+    prefix = f"model.layers.{layer}.mlp.experts"
+    if all(isinstance(p, QuantizedWeight) for p in parts):
+        weights[prefix + ".weight"] = parts  # type: ignore[assignment]
+        return
+    g, u, d = (p.dequantize() if isinstance(p, QuantizedWeight) else p for p in parts)
+    weights[prefix + ".gate_up"] = torch.cat([g.reshape(num_experts, -1, g.shape[-1]),
+                                              u.reshape(num_experts, -1, u.shape[-1])], dim=1)
+    weights[prefix + ".down"] = d.reshape(num_experts, -1, d.shape[-1])
+
+
+def _joined(part: ExpertPart, num_experts: int) -> torch.Tensor | QuantizedWeight:
+    """One expert matrix of all experts: per-expert pieces stacked (blocks of one type
+    concatenated row-wise, floats stacked)."""
+    if not isinstance(part, list):
+        return part
+    if len(part) != num_experts:
+        raise ValueError(f"{len(part)} expert matrices for {num_experts} experts")
+    if all(isinstance(p, QuantizedWeight) and p.row_order is None
+           and p.type_name == part[0].type_name for p in part):
+        first = part[0]
+        return QuantizedWeight(first.type_name, first.rows * num_experts, first.cols,
+                               torch.cat([p.raw for p in part]))  # type: ignore[union-attr]
+    return torch.stack([p.dequantize() if isinstance(p, QuantizedWeight) else p for p in part])
