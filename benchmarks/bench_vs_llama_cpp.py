@@ -77,8 +77,12 @@ def figures(args: argparse.Namespace) -> tuple[Figure, ...]:
                "<= 0.8x AVX2-only, 0.5x AVX-512/BF16"),
         Figure("decode_ms_per_token", "decode, batch 1 (ms/token)", True, "<= 1x"),
         Figure("decode_gb_per_s", "  weights streamed by that decode (GB/s)", False, ""),
+        Figure("weights_read_gb_per_token",
+               "  weights a decoded token reads (GB; llama.cpp: the file's active share)", True,
+               ""),
         Figure("load_s", "LLM() load (s)", True, ""),
         Figure("rss_after_load_gb", "LLM() RSS after load (GB)", True, "<= 1.15x file"),
+        Figure("rss_over_file", "  that RSS over the file's size", True, "<= 1.15"),
         Figure("peak_rss_gb", "LLM() peak RSS during load, mapped file pages included (GB)",
                True, ""),
         Figure("peak_anon_gb", "LLM() peak anonymous memory during load (GB)", True, ""),
@@ -203,6 +207,7 @@ def child_measure(args: argparse.Namespace) -> dict[str, Any]:
                               "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
                               * 1024 / 1e9,
                               "peak_anon_gb": anonymous.peak / 1e9}
+    result["weights_read_gb_per_token"] = decode_weight_bytes(llm.engine.model) / 1e9
     greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     llm.generate([{"prompt_token_ids": tokens(64)}], greedy, use_tqdm=False)  # warm-up
 
@@ -220,6 +225,25 @@ def child_measure(args: argparse.Namespace) -> dict[str, Any]:
     result["prefill_s"] = time.perf_counter() - start
     result["prefill_cached_tokens"] = out.num_cached_tokens
     return result
+
+
+def decode_weight_bytes(model: Any) -> int:
+    """Bytes of weights radixserve's model reads per decoded token: every projection as it is
+    held (GGUF panels, float panels or a float weight), of a mixture-of-experts layer only the
+    chosen experts' (`Experts.active_bytes`), not the embedding table (one row a token)."""
+    from radixserve.layers.linear import Linear
+    from radixserve.model.moe import MoEBlock
+
+    total = 0
+    for module in model.modules():
+        if isinstance(module, MoEBlock):
+            total += module.experts.active_bytes(module.routing.top_k)
+        elif isinstance(module, Linear):
+            held = module.packed.nbytes if module.packed is not None else sum(
+                t.numel() * t.element_size() for t in (module.panels, module.weight)
+                if t is not None)
+            total += held
+    return total
 
 
 # ----- servers through the OpenAI chat API
@@ -308,6 +332,9 @@ def run_model(args: argparse.Namespace, model: Path, bank: WordBank,
         for values in row.values():
             values["decode_gb_per_s"] = (info["weight_bytes_per_token"]
                                          / values["decode_ms_per_token"] / 1e6)
+        row[LLAMA_CPP]["weights_read_gb_per_token"] = info["weight_bytes_per_token"] / 1e9
+        row[RADIXSERVE]["rss_over_file"] = (row[RADIXSERVE]["rss_after_load_gb"] * 1e9
+                                            / info["file_bytes"])
         if not args.skip_server:
             for system in (llama_server(args, model, context),
                            radixserve_server(args, model, context)):
