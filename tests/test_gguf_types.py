@@ -153,7 +153,7 @@ def test_unsupported_gguf_architecture(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match="supported: llama, qwen2, mistral"):
+    with pytest.raises(ValueError, match=r"'gpt2' is not supported \(supported: llama, mistral, qwen2, "):
         LLM(str(path), show_progress=False)
 
 
