@@ -154,10 +154,10 @@ class QuantizedExperts(ExpertsMethod):
         if panels is None:
             return self.floats.apply(experts, x, ids, weights)
         act = experts.activation
+        gate_up_bias, down_bias = experts.float_biases()
         return self.ops.moe(x.contiguous(), ids.contiguous(), weights.float().contiguous(),
                             panels.gate, panels.up, panels.down, experts.num_experts,
-                            experts.inter, experts.kernel_bias(experts.gate_up_bias),
-                            experts.kernel_bias(experts.down_bias), act.code, act.alpha,
+                            experts.inter, gate_up_bias, down_bias, act.code, act.alpha,
                             act.limit, self.max_path)
 
 
@@ -191,6 +191,7 @@ class Experts(nn.Module):
         self.register_parameter("down_bias", nn.Parameter(torch.empty(num_experts, hidden))
                                 if bias else None)
         self.panels: ExpertPanels | None = None
+        self._float_biases: tuple[torch.Tensor | None, torch.Tensor | None] | None = None
 
     def load_quantized(self, parts: list[QuantizedWeight]) -> None:
         """Takes the file's blocks of gate, up and down (in that order), as the model's
@@ -214,8 +215,15 @@ class Experts(nn.Module):
         self.gate_up = nn.Parameter(torch.cat([gate, up], dim=1), requires_grad=False)
         self.down = nn.Parameter(down, requires_grad=False)
 
-    def kernel_bias(self, bias: torch.Tensor | None) -> torch.Tensor | None:
-        return None if bias is None else bias.detach().float().contiguous()
+    def float_biases(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The biases in float32, as the kernel takes them: made on the first step (they
+        are loaded after the blocks, and cast with the model), then kept."""
+        if self._float_biases is None:
+            self._float_biases = tuple(  # type: ignore[assignment]
+                None if b is None else b.detach().float().contiguous()
+                for b in (self.gate_up_bias, self.down_bias))
+        assert self._float_biases is not None
+        return self._float_biases
 
     def active_bytes(self, top_k: int) -> int:
         """Bytes of weights one token's `top_k` experts read (the panels where quantized)."""
