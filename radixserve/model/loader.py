@@ -27,7 +27,7 @@ from radixserve.model.tokenizer import ChatTokenizer, load_gguf_tokenizer, load_
 
 # GGUF tensor-type names we dequantize (gguf_file can decode more; these are tested).
 GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q3_K", "Q4_K",
-              "Q5_K", "Q6_K")
+              "Q5_K", "Q6_K", "MXFP4")
 FLOAT_TYPES = ("F32", "F16", "BF16")
 
 @dataclass
@@ -79,6 +79,9 @@ def _load_hf_dir(path: Path, progress: bool, quantize_to: str | None) -> LoadedM
                  if not (config.tie_word_embeddings and name == "lm_head.weight")]
         for f, name in tqdm(names, desc="Loading weights", unit="tensor", disable=not progress):
             tensor = f.get_tensor(name)
+            if not tensor.is_floating_point():  # packed blocks (gpt-oss's MXFP4): as stored
+                weights[name] = tensor
+                continue
             matrix = tensor.dim() == 2 and tensor.shape[1] % 32 == 0
             weights[name] = (_quantized(tensor, quantize_to) if quantize_to and matrix
                              else tensor.float())
