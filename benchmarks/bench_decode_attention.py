@@ -77,6 +77,7 @@ def measure(llm: LLM, shape: tuple[str, int, int, int, int], repeat: int,
     requests, allocated = _requests(llm, n, prefixes, prefix_len, own)
     plan = SchedulerOutput(decodes=requests)
     env = kernel_path.decode.env
+    plain = (env.scale, None)  # a layer's scale and sinks: the model's default
     cache = pool.layers[0]
     q = torch.randn(n, env.num_heads, env.head_dim, dtype=cache.k.dtype)
     kv = torch.randn(n, env.num_kv_heads, env.head_dim, dtype=cache.k.dtype)
@@ -91,16 +92,16 @@ def measure(llm: LLM, shape: tuple[str, int, int, int, int], repeat: int,
             backend = attention.decode
             metadata = runner.build_batch(plan)[0].attention_plan.decode
             result[f"layer_{name}_ms"] = best_ms(
-                lambda b=backend, m=metadata: b.forward(q, kv, kv, cache, m, out), repeat)
+                lambda b=backend, m=metadata: b.forward(q, kv, kv, cache, m, out, *plain), repeat)
             if name == "kernel":
                 top, backend.max_path = backend.max_path, 0
                 result["layer_portable_ms"] = best_ms(
-                    lambda b=backend, m=metadata: b.forward(q, kv, kv, cache, m, out),
+                    lambda b=backend, m=metadata: b.forward(q, kv, kv, cache, m, out, *plain),
                     max(1, repeat // 10))
                 if compare_path is not None:
                     backend.max_path = compare_path
                     result["layer_compare_path_ms"] = best_ms(
-                        lambda b=backend, m=metadata: b.forward(q, kv, kv, cache, m, out), repeat)
+                        lambda b=backend, m=metadata: b.forward(q, kv, kv, cache, m, out, *plain), repeat)
                 backend.max_path = top
             result[f"step_{name}_ms"] = best_ms(
                 lambda: model(runner.build_batch(plan)[0], pool.layers), max(1, repeat // 10))
@@ -129,6 +130,7 @@ def measure_prefill(llm: LLM, tokens: int, repeat: int, compare_path: int | None
     request.slots = pool.allocator.allocate(tokens)
     plan = SchedulerOutput(prefills=[ScheduledChunk(request, tokens)])
     env = kernel_path.prefill.env
+    plain = (env.scale, None)  # a layer's scale and sinks: the model's default
     cache = pool.layers[0]
     q = torch.randn(tokens, env.num_heads, env.head_dim, dtype=cache.k.dtype)
     kv = torch.randn(tokens, env.num_kv_heads, env.head_dim, dtype=cache.k.dtype)
@@ -140,11 +142,11 @@ def measure_prefill(llm: LLM, tokens: int, repeat: int, compare_path: int | None
             backend = attention.prefill
             metadata = runner.build_batch(plan)[0].attention_plan.prefill
             result[f"layer_{name}_ms"] = best_ms(
-                lambda b=backend, m=metadata: b.forward(q, kv, kv, cache, m, out), repeat)
+                lambda b=backend, m=metadata: b.forward(q, kv, kv, cache, m, out, *plain), repeat)
             if name == "kernel" and compare_path is not None:
                 top, backend.max_path = backend.max_path, compare_path
                 result["layer_compare_path_ms"] = best_ms(
-                    lambda b=backend, m=metadata: b.forward(q, kv, kv, cache, m, out), repeat)
+                    lambda b=backend, m=metadata: b.forward(q, kv, kv, cache, m, out, *plain), repeat)
                 backend.max_path = top
             result[f"model_{name}_ms"] = best_ms(
                 lambda: model(runner.build_batch(plan)[0], pool.layers), 1, warmup=1)

@@ -67,8 +67,8 @@ void rs_skinny_float(const radixserve::float_panels::Problem* problem, const voi
 
 // One row's attention over one kv head's pool, as paged_attention's AVX-512 paths compute it:
 // path 2 (attend_avx512: float32 q, a float32 or bfloat16 pool) or 3 (attend_bf16: bfloat16 q
-// and pool); dim 64 or 128. Scratch: scores [groups * n], probs [groups * (n + 2)], totals
-// [groups].
+// and pool); dim 64 or 128; with attention sinks or none. Scratch: scores [groups * n], probs
+// [groups * (n + 2)], totals [groups].
 struct AttendCall {
   int64_t path, bf16, dim, n, groups;
   double scale;
@@ -80,9 +80,10 @@ struct AttendCall {
   uint16_t* probs;
   float* totals;
   void* out;
+  const float* sinks;  // [groups], or null
 };
 
-static_assert(sizeof(AttendCall) == 112 && offsetof(AttendCall, out) == 104, "packed as <5qd8Q");
+static_assert(sizeof(AttendCall) == 120 && offsetof(AttendCall, sinks) == 112, "packed as <5qd9Q");
 
 void rs_attend(const AttendCall* c) {
   using radixserve::attention::attend_avx512;
@@ -96,19 +97,19 @@ void rs_attend(const AttendCall* c) {
     const auto* v = static_cast<const BFloat16*>(c->values);
     auto* out = static_cast<BFloat16*>(c->out);
     (c->dim == 64 ? attend_bf16<64> : attend_bf16<128>)(
-        qh, k, v, c->slots, c->n, c->groups, scale, c->scores, c->probs, c->totals, out);
+        qh, k, v, c->slots, c->n, c->groups, scale, c->sinks, c->scores, c->probs, c->totals, out);
   } else if (c->bf16) {
     const auto* k = static_cast<const BFloat16*>(c->keys);
     const auto* v = static_cast<const BFloat16*>(c->values);
     auto* out = static_cast<BFloat16*>(c->out);
     (c->dim == 64 ? attend_avx512<BFloat16, 64> : attend_avx512<BFloat16, 128>)(
-        q, k, v, c->slots, c->n, c->groups, scale, c->scores, out);
+        q, k, v, c->slots, c->n, c->groups, scale, c->sinks, c->scores, out);
   } else {
     const auto* k = static_cast<const float*>(c->keys);
     const auto* v = static_cast<const float*>(c->values);
     auto* out = static_cast<float*>(c->out);
     (c->dim == 64 ? attend_avx512<float, 64> : attend_avx512<float, 128>)(
-        q, k, v, c->slots, c->n, c->groups, scale, c->scores, out);
+        q, k, v, c->slots, c->n, c->groups, scale, c->sinks, c->scores, out);
   }
 }
 

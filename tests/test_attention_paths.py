@@ -214,16 +214,16 @@ def test_a_kernel_with_every_row_of_the_step_returns_them_and_otherwise_writes_i
     q = torch.randn(3, 6, 32)
     every = PagedRows(0, 3, torch.arange(30, dtype=torch.int32), torch.tensor([0, 10, 20]),
                       torch.tensor([10, 10, 10]))
-    whole = kernel.attend_all(q, q, q, cache, every)
+    whole = kernel.attend_all(q, q, q, cache, every, env.scale, None)
     out = torch.full_like(q, float("nan"))
-    kernel.forward(q, q, q, cache, every, out)
+    kernel.forward(q, q, q, cache, every, out, env.scale, None)
     assert whole is not None and torch.equal(whole, out)
     # Rows 1 and 2 of the step only: not all of it, so the step's buffer takes them.
     some = PagedRows(1, 2, torch.arange(20, dtype=torch.int32), torch.tensor([0, 10]),
                      torch.tensor([10, 10]))
-    assert kernel.attend_all(q, q, q, cache, some) is None
-    kernel.forward(q, q, q, cache, some, out)
+    assert kernel.attend_all(q, q, q, cache, some, env.scale, None) is None
+    kernel.forward(q, q, q, cache, some, out, env.scale, None)
     alone = kernel.attend_all(q[1:], q, q, cache, PagedRows(0, 2, some.slots, some.begins,
-                                                            some.lengths))
+                                                            some.lengths), env.scale, None)
     assert torch.equal(out[1:], alone) and torch.equal(out[:1], whole[:1])  # row 0 untouched
     assert not torch.equal(out[1:], whole[1:])  # the other contexts: other results

@@ -158,18 +158,24 @@ def test_attention_avx512_paths_match_float64(image: Path, path: int, dtype: tor
     """One row and kv head per call, as paged_attention runs them: head dims 64 and 128,
     1-5 query heads per kv head (attend_bf16 weighs values 4 or 2 heads at a time), contexts
     shorter and longer than 16 keys and odd (keys are scored 16 at a time, values read in
-    pairs), slots scattered over the pool. Tolerances as test_paged_attention's."""
+    pairs), slots scattered over the pool, with attention sinks and without. Tolerances as
+    test_paged_attention's."""
     calls, checks = [], []
     for dim in (64, 128):
-        for groups, n in [(1, 1), (2, 15), (4, 16), (5, 17), (3, 100)]:
+        for groups, n, with_sinks in [(1, 1, False), (2, 15, True), (4, 16, False),
+                                      (5, 17, True), (3, 100, False), (3, 100, True)]:
             gen = torch.Generator().manual_seed(dim + 10 * groups + n)
             keys = torch.randn(300, dim, generator=gen).to(dtype)
             values = torch.randn(300, dim, generator=gen).to(dtype)
             q = torch.randn(groups, dim, generator=gen).to(dtype)
             slots = torch.randperm(300, generator=gen)[:n].to(torch.int32)
             scale = dim**-0.5
+            sinks = torch.randn(groups, generator=gen) * 2
             k64, v64 = keys[slots.long()].double(), values[slots.long()].double()
-            weights = torch.softmax(q.double() @ k64.T * scale, dim=-1)
+            logits = q.double() @ k64.T * scale
+            if with_sinks:  # a column in the softmax's denominator only
+                logits = torch.cat((logits, sinks.double()[:, None]), dim=-1)
+            weights = torch.softmax(logits, dim=-1)[:, :n]
             want = (weights @ v64).numpy()
             arena = Arena()
             as_bits = (lambda t: t.view(torch.int16).numpy()) if dtype == torch.bfloat16 else (
@@ -177,11 +183,11 @@ def test_attention_avx512_paths_match_float64(image: Path, path: int, dtype: tor
             q_in = as_bits(q) if path == 3 else q.float().numpy()
             out = arena.output((groups, dim), np.int16 if dtype == torch.bfloat16 else np.float32)
             fields = struct.pack(
-                "<5qd8Q", path, dtype == torch.bfloat16, dim, n, groups, scale, arena.put(q_in),
+                "<5qd9Q", path, dtype == torch.bfloat16, dim, n, groups, scale, arena.put(q_in),
                 arena.put(as_bits(keys)), arena.put(as_bits(values)), arena.put(slots.numpy()),
                 arena.output((groups * n,), np.float32),
                 arena.output((groups * (n + 2),), np.uint16), arena.output((groups,), np.float32),
-                out)
+                out, arena.put(sinks.numpy()) if with_sinks else 0)
             calls.append(Call("rs_attend", (arena.put(fields),), arena))
             checks.append((out, want, groups, dim, n))
     tolerance = 2e-5 if dtype == torch.float32 else 2e-2

@@ -179,8 +179,8 @@ def test_decode_groups_sharing_different_prefixes_match_cache_off(radix_float, o
     seen: list[list[tuple[int, int]]] = []
     original = decode.group_decodes
 
-    def spy(decodes):
-        groups = original(decodes)
+    def spy(decodes, window=None):
+        groups = original(decodes, window)
         seen.append([(len(members), shared) for members, shared, _ in groups])
         return groups
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixserve.layers.attention import LayerKV
+from radixserve.layers.attention import LayerAttention, LayerKV
 from radixserve.layers.linear import Linear, LinearMethod
 from radixserve.model.config import ModelConfig
 from radixserve.model.forward_batch import ForwardBatch, Rotary
@@ -87,6 +87,8 @@ class Attention(nn.Module):
         # query_pre_attn_scalar) has q multiplied by the ratio.
         scale = config.attention_scale
         self.query_factor = 1.0 if scale is None else scale / config.head_dim**-0.5
+        # This layer's own window, scale or sinks; None: the model's (see LayerAttention).
+        self.layer_attention: LayerAttention | None = None
 
     def forward(self, x: torch.Tensor, rotary: Rotary | None, batch: ForwardBatch,
                 cache: LayerKV, rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -105,7 +107,8 @@ class Attention(nn.Module):
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         if self.query_factor != 1.0:
             q = q * self.query_factor
-        out = batch.attention.forward(q, k, v, cache, batch.attention_plan).view(tokens, -1)
+        out = batch.attention.forward(q, k, v, cache, batch.attention_plan,
+                                      self.layer_attention).view(tokens, -1)
         return self.o_proj(out if rows is None else out[rows])
 
     def _rotate(self, qk: torch.Tensor, qkv: torch.Tensor | None,

@@ -1,7 +1,9 @@
 """Attention backends and the one function that chooses them.
 
 Every step, the runner asks the engine's `StepAttention` to `plan` the step once; each layer
-then calls `forward(q, k, v, layer_cache, plan)`. Decode rows and prefill chunks go to one
+then calls `forward(q, k, v, layer_cache, plan, layer)`, `layer` a `LayerAttention` where the
+layer has its own sliding window, scale or attention sinks (None: the model's window,
+head_dim**-0.5, no sinks). Decode rows and prefill chunks go to one
 backend of each role:
 
 | backend | role | runs where | file |
@@ -16,8 +18,9 @@ The kernel comes first in both roles: a row's arithmetic is then the same whethe
 decoded or prefilled, in one chunk or several, which makes cache on == cache off exact.
 
 Adding a backend: write one file with a subclass of `base.AttentionBackend` (its `name`, its
-`role`, `unavailable(env)` saying where it cannot run, `plan(spans)` building its metadata
-once per step, `forward(q, k, v, cache, metadata, out)` per layer), then add one line to
+`role`, `unavailable(env)` saying where it cannot run, `plan(spans, window)` building its
+metadata once per step and window, `forward(q, k, v, cache, metadata, out, scale, sinks)` per
+layer), then add one line to
 `BACKENDS` below, in preference order: `auto` takes the first of its role that is available.
 The model, the runner and the engine do not change.
 """
@@ -27,6 +30,7 @@ from __future__ import annotations
 from radixserve.layers.attention.base import (
     AttentionBackend,
     AttentionEnv,
+    LayerAttention,
     LayerKV,
     SequenceSpan,
     StepAttention,
@@ -82,6 +86,7 @@ __all__ = [
     "BACKENDS",
     "AttentionBackend",
     "AttentionEnv",
+    "LayerAttention",
     "LayerKV",
     "SequenceSpan",
     "StepAttention",

@@ -2,9 +2,11 @@
 
 The runner describes a step as sequence spans (which rows of the flattened batch belong to
 which request, where they sit in its context, and the request's KV slot table). Each backend
-turns that into its own metadata once per step (`plan`); every layer then calls `forward` with
-its q, k, v and its slice of the KV pool. A step's decode rows and its prefill chunks go to two
-backends, one of each role, combined by `StepAttention`, which is all the model ever sees.
+turns that into its own metadata once per step and sliding window (`plan`); every layer then
+calls `forward` with its q, k, v, its slice of the KV pool and how it attends
+(`LayerAttention`: its window, scale and sinks). A step's decode rows and its prefill chunks
+go to two backends, one of each role, combined by `StepAttention`, which is all the model ever
+sees.
 """
 
 from __future__ import annotations
@@ -54,6 +56,36 @@ class StepLayout:
     decodes: list[SequenceSpan]
     prefills: list[SequenceSpan]
     write_slots: torch.Tensor  # [T] int64: the KV slot each row's new K/V goes to
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """How one layer attends, where models differ layer by layer (Gemma 3: five of six layers
+    local; gpt-oss: alternate layers windowed, sinks everywhere).
+
+    window: a sliding window in tokens (a row at position p attends to positions
+    (p - window, p]); None: full attention. scale: the softmax scale; None: head_dim**-0.5.
+    sinks: attention sinks, one learned logit per query head that joins the softmax's
+    denominator and nothing else (gpt-oss), held as float32 [num_heads]; None: none.
+    A layer that passes no LayerAttention gets the model's window (`AttentionEnv.window`),
+    head_dim**-0.5 and no sinks.
+    """
+
+    window: int | None = None
+    scale: float | None = None
+    sinks: torch.Tensor | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.window is not None and self.window < 1:
+            raise ValueError(f"a sliding window is at least 1 token, not {self.window}")
+        if self.scale is not None and not self.scale > 0:
+            raise ValueError(f"the attention scale must be positive, not {self.scale}")
+        if self.sinks is not None:
+            if self.sinks.dim() != 1:
+                raise ValueError("attention sinks are one logit per query head: [num_heads]")
+            # The kernels read them as float32, contiguous; converting once here spares it
+            # per step.
+            object.__setattr__(self, "sinks", self.sinks.detach().float().contiguous())
 
 
 @dataclass(frozen=True)
@@ -120,19 +152,22 @@ class AttentionBackend(ABC):
         return self.name
 
     @abstractmethod
-    def plan(self, spans: list[SequenceSpan]) -> object:
-        """Once per step: this backend's metadata for `spans` (non-empty)."""
+    def plan(self, spans: list[SequenceSpan], window: int | None) -> object:
+        """Once per step and window: this backend's metadata for `spans` (non-empty), each
+        row attending to its last `window` positions (None: all of them)."""
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKV,
-                metadata: object, out: torch.Tensor) -> None:
+                metadata: object, out: torch.Tensor, scale: float,
+                sinks: torch.Tensor | None) -> None:
         """Once per layer: writes attention of its spans' rows into `out` ([T, H, D]).
 
         q is [T, H, D] and k, v are [T, Hkv, D] for the whole step; the step's new K/V are
-        already in `cache`."""
+        already in `cache`. scale and sinks as `LayerAttention`'s (sinks float32 [H])."""
 
     def attend_all(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKV,
-                   metadata: object) -> torch.Tensor | None:
+                   metadata: object, scale: float,
+                   sinks: torch.Tensor | None) -> torch.Tensor | None:
         """Where this backend's rows are all of the step's: their attention [T, H, D] as a
         tensor of its own, sparing the step's output buffer and the copy into it (a decode
         step makes both, per layer, between matmuls that leave the caches cold). None: use
@@ -141,12 +176,33 @@ class AttentionBackend(ABC):
 
 
 @dataclass(frozen=True)
-class StepPlan:
-    """A step's attention metadata: where new K/V go, and each role's plan (None: no rows)."""
+class RolePlans:
+    """Each role's metadata for one window (None: the role has no rows this step)."""
 
-    write_slots: torch.Tensor
     decode: object | None
     prefill: object | None
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """A step's attention metadata: where new K/V go, and each role's plan per sliding window.
+
+    The model's default window (`window`) is planned with the step; another is planned the
+    first time a layer asks for it, then serves every layer with that window (a model has one
+    or two: Gemma 3's local and global layers)."""
+
+    write_slots: torch.Tensor
+    layout: StepLayout
+    window: int | None
+    by_window: dict[int | None, RolePlans] = field(compare=False, repr=False)
+
+    @property
+    def decode(self) -> object | None:
+        return self.by_window[self.window].decode
+
+    @property
+    def prefill(self) -> object | None:
+        return self.by_window[self.window].prefill
 
 
 @dataclass(frozen=True)
@@ -160,26 +216,48 @@ class StepAttention:
     def name(self) -> str:
         return f"decode {self.decode.describe()}, prefill {self.prefill.describe()}"
 
+    @property
+    def env(self) -> AttentionEnv:
+        return self.decode.env
+
     def plan(self, layout: StepLayout) -> StepPlan:
-        return StepPlan(
-            write_slots=layout.write_slots,
-            decode=self.decode.plan(layout.decodes) if layout.decodes else None,
-            prefill=self.prefill.plan(layout.prefills) if layout.prefills else None,
+        window = self.env.window
+        return StepPlan(write_slots=layout.write_slots, layout=layout, window=window,
+                        by_window={window: self._roles(layout, window)})
+
+    def _roles(self, layout: StepLayout, window: int | None) -> RolePlans:
+        return RolePlans(
+            decode=self.decode.plan(layout.decodes, window) if layout.decodes else None,
+            prefill=self.prefill.plan(layout.prefills, window) if layout.prefills else None,
         )
 
+    def roles(self, plan: StepPlan, window: int | None) -> RolePlans:
+        """The step's plans for `window`, made on first use."""
+        roles = plan.by_window.get(window)
+        if roles is None:
+            roles = plan.by_window[window] = self._roles(plan.layout, window)
+        return roles
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKV,
-                plan: StepPlan) -> torch.Tensor:
-        """Stores the rows' K/V in the pool, then attends; returns [T, H, D]."""
+                plan: StepPlan, layer: LayerAttention | None = None) -> torch.Tensor:
+        """Stores the rows' K/V in the pool, then attends as `layer` says (None: the model's
+        window, head_dim**-0.5, no sinks); returns [T, H, D]."""
         cache.write(plan.write_slots, k, v)
-        if (plan.decode is None) != (plan.prefill is None):  # one role has every row
-            backend, metadata = ((self.decode, plan.decode) if plan.decode is not None
-                                 else (self.prefill, plan.prefill))
-            whole = backend.attend_all(q, k, v, cache, metadata)
+        if layer is None:
+            roles, scale, sinks = plan.by_window[plan.window], self.env.scale, None
+        else:
+            roles = self.roles(plan, layer.window)
+            scale = self.env.scale if layer.scale is None else layer.scale
+            sinks = layer.sinks
+        if (roles.decode is None) != (roles.prefill is None):  # one role has every row
+            backend, metadata = ((self.decode, roles.decode) if roles.decode is not None
+                                 else (self.prefill, roles.prefill))
+            whole = backend.attend_all(q, k, v, cache, metadata, scale, sinks)
             if whole is not None:
                 return whole
         out = torch.empty_like(q)
-        if plan.decode is not None:
-            self.decode.forward(q, k, v, cache, plan.decode, out)
-        if plan.prefill is not None:
-            self.prefill.forward(q, k, v, cache, plan.prefill, out)
+        if roles.decode is not None:
+            self.decode.forward(q, k, v, cache, roles.decode, out, scale, sinks)
+        if roles.prefill is not None:
+            self.prefill.forward(q, k, v, cache, roles.prefill, out, scale, sinks)
         return out

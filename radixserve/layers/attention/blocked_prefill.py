@@ -4,8 +4,8 @@ PyTorch's CPU flash-attention kernel computes bfloat16/float16 in float32 matmul
 in either dtype), so half precision on CPU runs this blocked attention on the fast bfloat16
 matmuls instead. Where the CPU has no native bfloat16 dot products (AVX2-only machines),
 those matmuls are emulated and this attention is far slower than SDPA, so it is offered only
-where they exist. Chunks cut by a sliding window keep SDPA with an
-explicit mask.
+where they exist. Chunks cut by a sliding window, and layers with attention sinks, keep SDPA
+(with an explicit mask, and a sink key).
 """
 
 from __future__ import annotations
@@ -31,26 +31,26 @@ class BlockedPrefill(SdpaPrefill):
         return None
 
     def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-               span: PrefillSpan) -> torch.Tensor:
+               span: PrefillSpan, scale: float) -> torch.Tensor:
         if span.plain_causal_from is None:
-            return super().attend(q, keys, values, span)
-        return self.causal(q, keys, values, span.plain_causal_from)
+            return super().attend(q, keys, values, span, scale)
+        return self.causal(q, keys, values, span.plain_causal_from, scale)
 
     def causal(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-               first: int) -> torch.Tensor:
+               first: int, scale: float | None = None) -> torch.Tensor:
         """Causal attention of a prefill chunk whose first query sits at position `first`.
 
         q: [n, H, D]; keys/values: [Hkv, first + n, D]. A block of queries reads only the
         keys up to its own last position (the causal upper triangle is never computed), and
         the query heads of one KV head are stacked into a single matmul instead of repeating
-        K and V.
+        K and V. scale: None for head_dim**-0.5.
         """
         env = self.env
         n = q.shape[0]
         heads, dim = env.num_kv_heads, env.head_dim
         groups = env.num_heads // heads
         # Scaling q once (n x H x D values) is far cheaper than scaling every score.
-        q_by_head = (q * env.scale).transpose(0, 1).reshape(heads, groups, n, dim)
+        q_by_head = (q * (env.scale if scale is None else scale)).transpose(0, 1).reshape(heads, groups, n, dim)
         out = torch.empty(heads, groups, n, dim, dtype=q.dtype, device=q.device)
         block = self.block
         above_diagonal = torch.ones(block, block, dtype=torch.bool, device=q.device).triu(1)

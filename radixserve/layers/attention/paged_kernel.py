@@ -77,8 +77,7 @@ class PagedKernel(AttentionBackend):
                                   self.max_path)
         return f"{self.name} ({path_names('attention')[path]})"
 
-    def plan(self, spans: list[SequenceSpan]) -> PagedRows:
-        window = self.env.window
+    def plan(self, spans: list[SequenceSpan], window: int | None) -> PagedRows:
         tables: list[np.ndarray] = []
         begins: list[np.ndarray] = []
         lengths: list[np.ndarray] = []
@@ -102,21 +101,24 @@ class PagedKernel(AttentionBackend):
         )
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKV,
-                metadata: object, out: torch.Tensor) -> None:
+                metadata: object, out: torch.Tensor, scale: float,
+                sinks: torch.Tensor | None) -> None:
         assert isinstance(metadata, PagedRows)
         rows = slice(metadata.first_row, metadata.first_row + metadata.rows)
-        out[rows] = self._attend(q[rows], cache, metadata)
+        out[rows] = self._attend(q[rows], cache, metadata, scale, sinks)
 
     def attend_all(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKV,
-                   metadata: object) -> torch.Tensor | None:
+                   metadata: object, scale: float,
+                   sinks: torch.Tensor | None) -> torch.Tensor | None:
         assert isinstance(metadata, PagedRows)
         if metadata.first_row != 0 or metadata.rows != q.shape[0]:
             return None
-        return self._attend(q, cache, metadata)
+        return self._attend(q, cache, metadata, scale, sinks)
 
-    def _attend(self, q: torch.Tensor, cache: LayerKV, metadata: PagedRows) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, cache: LayerKV, metadata: PagedRows, scale: float,
+                sinks: torch.Tensor | None) -> torch.Tensor:
         return self.op(q.contiguous(), cache.k, cache.v, metadata.slots, metadata.begins,
-                       metadata.lengths, self.env.scale, self.max_path)
+                       metadata.lengths, scale, self.max_path, sinks)
 
 
 class PagedDecodeKernel(PagedKernel):
@@ -130,9 +132,10 @@ class PagedPrefillKernel(PagedKernel):
 
 
 def whole_step_rows(attention: StepAttention, plan: StepPlan) -> tuple[PagedRows, int] | None:
-    """Every row of a step as one call of the kernel, and the path cap to run it at, where
-    each role that has rows runs on the kernel at one cap; None otherwise. A row's result
-    does not depend on the rows beside it, so this is the roles' arithmetic, bit for bit."""
+    """Every row of a step as one call of the kernel at the model's default window, and the
+    path cap to run it at, where each role that has rows runs on the kernel at one cap; None
+    otherwise. A row's result does not depend on the rows beside it, so this is the roles'
+    arithmetic, bit for bit."""
     parts = [(backend, rows) for backend, rows in ((attention.decode, plan.decode),
                                                    (attention.prefill, plan.prefill))
              if rows is not None]

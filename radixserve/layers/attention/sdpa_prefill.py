@@ -1,7 +1,8 @@
 """Prefill attention through PyTorch's scaled_dot_product_attention: any device, any dtype.
 
 A chunk that starts at position 0 attends to its own keys (plain causal); a later chunk reads
-its cached context from the pool and carries an explicit mask.
+its cached context from the pool and carries an explicit mask. Attention sinks, which SDPA
+does not take, join as one more key: zero K and V, its score added by a float mask.
 """
 
 from __future__ import annotations
@@ -36,11 +37,11 @@ class SdpaPrefill(AttentionBackend):
         super().__init__(env)
         self.gathers = GatherPlanner(env.num_kv_heads, env.num_slots, env.device)
 
-    def plan(self, spans: list[SequenceSpan]) -> list[PrefillSpan]:
-        return [self._span(span) for span in spans]
+    def plan(self, spans: list[SequenceSpan], window: int | None) -> list[PrefillSpan]:
+        return [self._span(span, window) for span in spans]
 
-    def _span(self, span: SequenceSpan) -> PrefillSpan:
-        window, device = self.env.window, self.env.device
+    def _span(self, span: SequenceSpan, window: int | None) -> PrefillSpan:
+        device = self.env.device
         first, context = span.first, span.context
         windowed = bool(window) and context > window  # type: ignore[operator]
         mask = None
@@ -61,7 +62,8 @@ class SdpaPrefill(AttentionBackend):
         )
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKV,
-                metadata: object, out: torch.Tensor) -> None:
+                metadata: object, out: torch.Tensor, scale: float,
+                sinks: torch.Tensor | None) -> None:
         assert isinstance(metadata, list)
         for span in metadata:
             rows = slice(span.start, span.start + span.length)
@@ -69,10 +71,13 @@ class SdpaPrefill(AttentionBackend):
                 keys, values = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
             else:  # [heads, context, dim], straight from the head-major pool
                 keys, values = span.context.take(cache.k), span.context.take(cache.v)
-            out[rows] = self.attend(q[rows], keys, values, span)
+            if sinks is None:
+                out[rows] = self.attend(q[rows], keys, values, span, scale)
+            else:
+                out[rows] = self.attend_with_sinks(q[rows], keys, values, span, scale, sinks)
 
     def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-               span: PrefillSpan) -> torch.Tensor:
+               span: PrefillSpan, scale: float) -> torch.Tensor:
         """q [n, H, D] against keys/values [Hkv, context, D]; returns [n, H, D]."""
         return F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0),
@@ -80,6 +85,31 @@ class SdpaPrefill(AttentionBackend):
             values.unsqueeze(0),
             attn_mask=span.mask,
             is_causal=span.mask is None,
-            scale=self.env.scale,
+            scale=scale,
+            enable_gqa=True,
+        )[0].transpose(0, 1)
+
+    def attend_with_sinks(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                          span: PrefillSpan, scale: float, sinks: torch.Tensor) -> torch.Tensor:
+        """As `attend`, each query head's sink one more term of its softmax's denominator: a
+        zero key (score 0) whose mask adds the sink, with a zero value."""
+        n, context = q.shape[0], keys.shape[1]
+        allowed = span.mask
+        if allowed is None:  # plain causal from the chunk's first position
+            first = context - n
+            allowed = (torch.arange(context, device=q.device)[None, :]
+                       <= torch.arange(first, context, device=q.device)[:, None])
+        bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
+        bias.masked_fill_(~allowed, float("-inf"))
+        heads = q.shape[1]
+        bias = torch.cat((bias.expand(heads, n, context),
+                          sinks.to(q.device, q.dtype)[:, None, None].expand(heads, n, 1)), dim=-1)
+        zero = keys.new_zeros(keys.shape[0], 1, keys.shape[2])
+        return F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0),
+            torch.cat((keys, zero), dim=1).unsqueeze(0),
+            torch.cat((values, zero), dim=1).unsqueeze(0),
+            attn_mask=bias.unsqueeze(0),
+            scale=scale,
             enable_gqa=True,
         )[0].transpose(0, 1)

@@ -6,6 +6,7 @@ request): on CPU this beats SDPA's flash kernel (tuned for long queries) by an o
 magnitude, and the head-major pool makes the gather the only large copy. Requests that share
 a context prefix (the prefix cache hands them the same slots for it) form a group whose
 prefix is gathered and multiplied once for all members instead of once per request.
+Attention sinks join each query head's softmax as one more score, whose weight is dropped.
 """
 
 from __future__ import annotations
@@ -49,19 +50,20 @@ class TorchDecode(AttentionBackend):
         # be new at every step.
         self.length_bucket = 16
 
-    def plan(self, spans: list[SequenceSpan]) -> list[DecodeGroup]:
-        return [self._group(members, shared, contiguous)
-                for members, shared, contiguous in self.group_decodes(spans)]
+    def plan(self, spans: list[SequenceSpan], window: int | None) -> list[DecodeGroup]:
+        return [self._group(members, shared, contiguous, window)
+                for members, shared, contiguous in self.group_decodes(spans, window)]
 
-    def group_decodes(self, spans: list[SequenceSpan]) -> list[tuple[list[SequenceSpan], int, bool]]:
+    def group_decodes(self, spans: list[SequenceSpan], window: int | None = None
+                      ) -> list[tuple[list[SequenceSpan], int, bool]]:
         """Splits decode spans into groups that share a context prefix, plus one group of the
         rest; returns (members, shared prefix length, whether that prefix is one slot run).
 
         Requests are grouped by their first slot. Each group costs about twenty more kernels
         per layer, so groups start at three requests: pairs ran slower than no group, short
-        prefixes and long alike.
+        prefixes and long alike. A sliding window (tokens) ends sharing: no group.
         """
-        if self.env.window:
+        if window:
             return [(spans, 0, False)]
         by_first: dict[int, list[SequenceSpan]] = {}
         for span in spans:
@@ -91,18 +93,19 @@ class TorchDecode(AttentionBackend):
                 return 0
         return shared
 
-    def _group(self, members: list[SequenceSpan], shared: int, contiguous: bool) -> DecodeGroup:
+    def _group(self, members: list[SequenceSpan], shared: int, contiguous: bool,
+               window: int | None) -> DecodeGroup:
         env = self.env
         lengths = [span.context for span in members]
         own = [n - shared for n in lengths]
         longest = -(-max(own) // self.length_bucket) * self.length_bucket
         mask = None
-        if min(own) != longest or (env.window and max(lengths) > env.window):
+        if min(own) != longest or (window and max(lengths) > window):
             cols = torch.arange(longest) + shared
             lens = torch.tensor(lengths).unsqueeze(1)
             keep = cols < lens
-            if env.window:
-                keep &= cols >= lens - env.window
+            if window:
+                keep &= cols >= lens - window
             mask = keep[:, None, None, :].to(env.device)
         prefix = members[0].table.slots[:shared]
         starts = [span.start for span in members]
@@ -120,18 +123,29 @@ class TorchDecode(AttentionBackend):
         )
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKV,
-                metadata: object, out: torch.Tensor) -> None:
+                metadata: object, out: torch.Tensor, scale: float,
+                sinks: torch.Tensor | None) -> None:
         assert isinstance(metadata, list)
         for group in metadata:
             if isinstance(group.rows, slice):
-                out[group.rows] = self._attend(q[group.rows], group, cache)
+                out[group.rows] = self._attend(q[group.rows], group, cache, scale, sinks)
             else:
-                out.index_copy_(0, group.rows,
-                                self._attend(q.index_select(0, group.rows), group, cache))
+                out.index_copy_(0, group.rows, self._attend(q.index_select(0, group.rows), group,
+                                                            cache, scale, sinks))
 
-    def _attend(self, q: torch.Tensor, group: DecodeGroup, cache: LayerKV) -> torch.Tensor:
+    def _softmax(self, scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+        """Softmax over the last axis of scores [H, b, G, L] (float32); a sink is one more
+        score of its query head (h * G + g) whose weight goes nowhere."""
+        if sinks is None:
+            return torch.softmax(scores, dim=-1)
+        heads, b, groups, _ = scores.shape
+        column = sinks.to(scores.device).view(heads, 1, groups, 1).expand(heads, b, groups, 1)
+        return torch.softmax(torch.cat((scores, column), dim=-1), dim=-1)[..., :-1]
+
+    def _attend(self, q: torch.Tensor, group: DecodeGroup, cache: LayerKV, scale: float,
+                sinks: torch.Tensor | None) -> torch.Tensor:
         env = self.env
-        b, length, scale = group.size, group.length, env.scale
+        b, length = group.size, group.length
         heads, dim = env.num_kv_heads, env.head_dim
         groups = env.num_heads // heads
         keys = group.own.take(cache.k).view(heads * b, length, dim)
@@ -144,7 +158,8 @@ class TorchDecode(AttentionBackend):
                 ~group.mask.view(1, b, 1, length), float("-inf")
             ).view(heads * b, groups, length)
         if group.shared is None:
-            probs = torch.softmax(scores, dim=-1).to(values.dtype)
+            probs = self._softmax(scores.view(heads, b, groups, length), sinks)
+            probs = probs.to(values.dtype).reshape(heads * b, groups, length)
             out = torch.bmm(probs, values).view(heads, b, groups, dim)
             return out.transpose(0, 1).reshape(b, env.num_heads, dim)
         # [H, P, D]: a view of the pool when the prefix is a run
@@ -159,7 +174,7 @@ class TorchDecode(AttentionBackend):
             (shared_scores.view(heads, b, groups, prefix), scores.view(heads, b, groups, length)),
             dim=-1,
         )
-        probs = torch.softmax(both, dim=-1).to(values.dtype)
+        probs = self._softmax(both, sinks).to(values.dtype)
         shared_probs = probs[..., :prefix].reshape(heads, b * groups, prefix)
         own_probs = probs[..., prefix:].reshape(heads * b, groups, length)
         out = torch.bmm(shared_probs, shared_values).view(heads, b, groups, dim)

@@ -47,24 +47,28 @@ using radixserve::attention::attend_amx;
 using radixserve::attention::attend_avx512;
 using radixserve::attention::attend_bf16;
 using radixserve::attention::kAttentionConfig;
+using radixserve::attention::sink_of;
 using radixserve::attention::TiledContext;
+using radixserve::attention::top_with_sink;
 #endif
 
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 
 // One (request, kv head) in plain C++: the reference the vector paths are tested against, and
-// what runs on CPUs without AVX-512. q is unscaled; probabilities are e^(scale (s - max s)).
-// scores holds G * n floats.
+// what runs on CPUs without AVX2. q is unscaled; probabilities are e^(scale (s - max s)).
+// scores holds G * n floats. sinks: the G query heads' attention sinks (a logit each that joins
+// the softmax's denominator only, as gpt-oss's), or null; the maximum then takes them in.
 template <typename T>
 void attend_portable(const float* q, const T* keys, const T* values, const int32_t* slots,
-                     int64_t n, int64_t groups, int64_t dim, float scale, float* scores,
-                     T* out) {
+                     int64_t n, int64_t groups, int64_t dim, float scale, const float* sinks,
+                     float* scores, T* out) {
   std::vector<float> acc(dim);
   for (int64_t g = 0; g < groups; ++g) {
     const float* qg = q + g * dim;
     float* s = scores + g * n;
-    float top = -std::numeric_limits<float>::infinity();
+    const float sink = sinks ? sinks[g] : -std::numeric_limits<float>::infinity();
+    float top = sink / scale;
     for (int64_t t = 0; t < n; ++t) {
       const T* k = keys + static_cast<int64_t>(slots[t]) * dim;
       float dot = 0.f;
@@ -77,6 +81,7 @@ void attend_portable(const float* q, const T* keys, const T* values, const int32
       s[t] = std::exp((s[t] - top) * scale);
       total += s[t];
     }
+    total += std::exp(sink - top * scale);  // 0 for no sink
     std::fill(acc.begin(), acc.end(), 0.f);
     for (int64_t t = 0; t < n; ++t) {
       const T* v = values + static_cast<int64_t>(slots[t]) * dim;
@@ -142,12 +147,15 @@ RS_AVX2 inline __m256i first_lanes(int64_t count) {
                             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
-RS_AVX2 inline float softmax_in_place_avx2(float* s, int64_t n, float scale) {
+// s[t] = e^(scale (s[t] - top)) for t < n, top their maximum and the sink's (-inf: none);
+// returns their sum and the sink's weight.
+RS_AVX2 inline float softmax_in_place_avx2(float* s, int64_t n, float scale, float sink) {
   __m256 top = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   int64_t t = 0;
   for (; t + 8 <= n; t += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(s + t));
   float m = max8(top);
   for (; t < n; ++t) m = std::max(m, s[t]);
+  m = top_with_sink(m, sink, scale);
   const __m256 mv = _mm256_set1_ps(m), sv = _mm256_set1_ps(scale);
   __m256 sum = _mm256_setzero_ps();
   for (t = 0; t + 8 <= n; t += 8) {
@@ -162,7 +170,7 @@ RS_AVX2 inline float softmax_in_place_avx2(float* s, int64_t n, float scale) {
     _mm256_maskstore_ps(s + t, tail, e);
     sum = _mm256_add_ps(sum, e);
   }
-  return sum8(sum);
+  return sum8(sum) + std::exp(sink - m * scale);  // + 0 for no sink
 }
 
 template <typename T, int D>
@@ -178,12 +186,13 @@ RS_AVX2 inline __m256 dot_avx2(const __m256* q, const T* k) {
 // of the tile uses them (a shared prefix's block is the same memory for every row); each
 // query's arithmetic is still its own, in key order, so a row's result is bitwise the same in
 // a tile of one or of eight, with whatever rows beside it.
-// q: [R][G][D] floats; scores: R * G rows of `stride` floats; acc: R * G * D floats.
+// q: [R][G][D] floats; scores: R * G rows of `stride` floats; acc: R * G * D floats; sinks:
+// the G query heads' sinks, or null.
 template <typename T, int D>
 RS_AVX2 void attend_tile_avx2(const float* q, int64_t tile, const int64_t* n, const T* keys,
                               const T* values, const int32_t* const* tables, int64_t groups,
-                              float scale, float* scores, int64_t stride, float* acc,
-                              T* const* outs) {
+                              float scale, const float* sinks, float* scores, int64_t stride,
+                              float* acc, T* const* outs) {
   constexpr int W = D / 8;
   constexpr int64_t kBlock = 4096 / D;  // 16 KB of float32 keys: an L1-sized block
   int64_t longest = 0;
@@ -213,7 +222,8 @@ RS_AVX2 void attend_tile_avx2(const float* q, int64_t tile, const int64_t* n, co
   std::vector<float> total(tile * groups);
   for (int64_t r = 0; r < tile; ++r)
     for (int64_t g = 0; g < groups; ++g)
-      total[r * groups + g] = softmax_in_place_avx2(scores + (r * groups + g) * stride, n[r], scale);
+      total[r * groups + g] = softmax_in_place_avx2(scores + (r * groups + g) * stride, n[r],
+                                                    scale, sink_of(sinks, g));
   std::fill(acc, acc + tile * groups * D, 0.f);
   for (int64_t start = 0; start < longest; start += kBlock) {
     for (int64_t r = 0; r < tile; ++r) {
@@ -299,7 +309,7 @@ std::vector<int64_t> split(const std::vector<int64_t>& cost, int64_t kv_heads) {
 template <typename T, int kPath, int D>
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
          const at::Tensor& slots, const at::Tensor& begins, const at::Tensor& lengths,
-         float scale, at::Tensor& out) {
+         float scale, const float* sinks, at::Tensor& out) {
   const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2);
   const int64_t kv_heads = k_cache.size(0), num_slots = k_cache.size(1);
   const int64_t groups = heads / kv_heads;
@@ -342,11 +352,12 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
         outs[i] = op + ((first + i) * heads + h * groups) * dim;
       }
       const auto query = [&](int64_t i) { return qp + ((first + i) * heads + h * groups) * dim; };
+      const float* head_sinks = sinks ? sinks + h * groups : nullptr;
 #ifdef RS_X86
       if constexpr (kPath == 3) {
         for (int64_t i = 0; i < tile; ++i)
           attend_bf16<D>(query(i), keys, values, tables[i], lp[first + i], groups, scale,
-                         scores.data(), probs.data(), totals.data(), outs[i]);
+                         head_sinks, scores.data(), probs.data(), totals.data(), outs[i]);
         continue;
       }
 #endif
@@ -355,7 +366,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
 #ifdef RS_X86
       if constexpr (kPath == 1) {
         attend_tile_avx2<T, D>(qf.data(), tile, lp + first, keys, values, tables, groups, scale,
-                               scores.data(), longest, acc.data(), outs);
+                               head_sinks, scores.data(), longest, acc.data(), outs);
         continue;
       }
 #endif
@@ -364,13 +375,13 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
         const int64_t n = lp[first + i];
 #ifdef RS_X86
         if constexpr (kPath == 2) {
-          attend_avx512<T, D>(qi, keys, values, tables[i], n, groups, scale, scores.data(),
-                              outs[i]);
+          attend_avx512<T, D>(qi, keys, values, tables[i], n, groups, scale, head_sinks,
+                              scores.data(), outs[i]);
           continue;
         }
 #endif
-        attend_portable<T>(qi, keys, values, tables[i], n, groups, dim, scale, scores.data(),
-                           outs[i]);
+        attend_portable<T>(qi, keys, values, tables[i], n, groups, dim, scale, head_sinks,
+                           scores.data(), outs[i]);
       }
     }
   });
@@ -381,23 +392,23 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
 template <typename T>
 void run_path(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
               const at::Tensor& slots, const at::Tensor& begins, const at::Tensor& lengths,
-              float scale, int path, at::Tensor& out) {
+              float scale, const float* sinks, int path, at::Tensor& out) {
   const bool d64 = q.size(2) == 64;
 #ifdef RS_X86
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     if (path == 3)
       return (d64 ? run<T, 3, 64> : run<T, 3, 128>)(q, k_cache, v_cache, slots, begins, lengths,
-                                                    scale, out);
+                                                    scale, sinks, out);
   }
   if (path >= 2)
     return (d64 ? run<T, 2, 64> : run<T, 2, 128>)(q, k_cache, v_cache, slots, begins, lengths,
-                                                  scale, out);
+                                                  scale, sinks, out);
   if (path == 1)
     return (d64 ? run<T, 1, 64> : run<T, 1, 128>)(q, k_cache, v_cache, slots, begins, lengths,
-                                                  scale, out);
+                                                  scale, sinks, out);
 #endif
   (void)d64;
-  run<T, 0, 0>(q, k_cache, v_cache, slots, begins, lengths, scale, out);
+  run<T, 0, 0>(q, k_cache, v_cache, slots, begins, lengths, scale, sinks, out);
 }
 
 #ifdef RS_X86
@@ -408,7 +419,7 @@ void run_path(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& 
 template <int D>
 void run_amx(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
              const at::Tensor& slots, const at::Tensor& begins, const at::Tensor& lengths,
-             float scale, at::Tensor& out) {
+             float scale, const float* sinks, at::Tensor& out) {
   using BF16 = c10::BFloat16;
   const int64_t rows = q.size(0), heads = q.size(1);
   const int64_t kv_heads = k_cache.size(0), num_slots = k_cache.size(1);
@@ -448,9 +459,12 @@ void run_amx(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
       const BF16* queries[16];
       BF16* outs[16];
       int64_t n[16];
+      float tile_sinks[16];
+      std::fill(tile_sinks, tile_sinks + 16, -std::numeric_limits<float>::infinity());
       int64_t longest = 0;
       for (int64_t i = 0; i < tile * groups; ++i) {
         const int64_t r = first + i / groups, at = (r * heads + h * groups + i % groups) * D;
+        if (sinks) tile_sinks[i] = sinks[h * groups + i % groups];
         queries[i] = qp + at;
         outs[i] = op + at;
         n[i] = lp[r];
@@ -464,7 +478,8 @@ void run_amx(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
       else
         context.lay_out(kp + h * num_slots * D, vp + h * num_slots * D, sp + bp[first], longest,
                         reach[first]);
-      attend_amx<D>(queries, n, static_cast<int>(tile * groups), context, scale, *scratch, outs);
+      attend_amx<D>(queries, n, static_cast<int>(tile * groups), context, scale,
+                    sinks ? tile_sinks : nullptr, *scratch, outs);
     }
     RS_TILE_RELEASE();
   });
@@ -474,7 +489,7 @@ void run_amx(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& slots,
                            const at::Tensor& begins, const at::Tensor& lengths, double scale,
-                           int64_t max_path) {
+                           int64_t max_path, const c10::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(),
               "q [rows, heads, dim] and caches [kv_heads, slots, dim]");
@@ -502,6 +517,14 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
   const int64_t num_slots = k_cache.size(1);
   for (int64_t i = 0; i < slots.numel(); ++i)
     TORCH_CHECK(sp[i] >= 0 && sp[i] < num_slots, "slot ", sp[i], " is outside the pool");
+  TORCH_CHECK(scale > 0, "scale must be positive");
+  const float* sp_sinks = nullptr;
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->is_contiguous() &&
+                    sinks->dim() == 1 && sinks->size(0) == q.size(1),
+                "sinks: float32 [heads]");
+    sp_sinks = sinks->data_ptr<float>();
+  }
   at::Tensor out = at::empty_like(q);
   const int path = static_cast<int>(
       path_for(q.scalar_type() == at::kBFloat16, q.size(1) / k_cache.size(0), q.size(2), max_path));
@@ -509,14 +532,15 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
 #ifdef RS_X86
   if (path == 4) {
     (q.size(2) == 64 ? run_amx<64> : run_amx<128>)(q, k_cache, v_cache, slots, begins, lengths,
-                                                    fscale, out);
+                                                    fscale, sp_sinks, out);
     return out;
   }
 #endif
   if (q.scalar_type() == at::kFloat) {
-    run_path<float>(q, k_cache, v_cache, slots, begins, lengths, fscale, path, out);
+    run_path<float>(q, k_cache, v_cache, slots, begins, lengths, fscale, sp_sinks, path, out);
   } else if (q.scalar_type() == at::kBFloat16) {
-    run_path<c10::BFloat16>(q, k_cache, v_cache, slots, begins, lengths, fscale, path, out);
+    run_path<c10::BFloat16>(q, k_cache, v_cache, slots, begins, lengths, fscale, sp_sinks, path,
+                            out);
   } else {
     TORCH_CHECK(false, "paged_attention supports float32 and bfloat16");
   }
@@ -531,7 +555,7 @@ int64_t attention_path_for(bool bfloat16, int64_t groups, int64_t dim, int64_t m
 
 TORCH_LIBRARY(radixserve, m) {
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, "
-        "Tensor begins, Tensor lengths, float scale, int max_path) -> Tensor");
+        "Tensor begins, Tensor lengths, float scale, int max_path, Tensor? sinks=None) -> Tensor");
   m.impl("paged_attention", c10::DispatchKey::CPU, TORCH_FN(paged_attention));
   m.def("attention_path_for(bool bfloat16, int groups, int dim, int max_path) -> int",
         &attention_path_for);

@@ -255,12 +255,13 @@ RS_AMXBF16 inline void score_slice(const c10::BFloat16* k, const c10::BFloat16* 
 }
 
 // Queries q[i] (D bfloat16 values; i < count <= 16) with lengths n[i] over the context laid
-// out in ctx (at least max n[i] keys); outputs to outs[i]. The tiles are configured by the
-// caller (kAttentionConfig).
+// out in ctx (at least max n[i] keys); outputs to outs[i]. sinks: 16 queries' attention sinks
+// (-inf past count), or null (attention_avx512.h's sink_of says how they count). The tiles are
+// configured by the caller (kAttentionConfig).
 template <int D>
 RS_AMXBF16 void attend_amx(const c10::BFloat16* const* q, const int64_t* n, int count,
-                           const TiledContext<D>& ctx, float scale, AmxScratch& s,
-                           c10::BFloat16* const* outs) {
+                           const TiledContext<D>& ctx, float scale, const float* sinks,
+                           AmxScratch& s, c10::BFloat16* const* outs) {
   static_assert(D == 64 || D == 128);
   int64_t longest = 0;
   for (int i = 0; i < count; ++i) longest = std::max(longest, n[i]);
@@ -320,6 +321,7 @@ RS_AMXBF16 void attend_amx(const c10::BFloat16* const* q, const int64_t* n, int 
   __m512 top = _mm512_max_ps(_mm512_max_ps(tops[0], tops[1]), _mm512_max_ps(tops[2], tops[3]));
   top = _mm512_maskz_mov_ps(_mm512_cmpgt_epi32_mask(nv, _mm512_setzero_si512()), top);
   const __m512 sv = _mm512_set1_ps(scale);
+  if (sinks) top = _mm512_max_ps(top, _mm512_div_ps(_mm512_loadu_ps(sinks), sv));
   // Probability pairs of keys 2k, 2k+1 side by side (cvtne2ps puts the first key's 16 in the
   // low half).
   alignas(64) static constexpr uint16_t kPairs[32] = {
@@ -371,9 +373,11 @@ RS_AMXBF16 void attend_amx(const c10::BFloat16* const* q, const int64_t* n, int 
     RS_TILE_STORE(2, o + 32, D * 4);
     RS_TILE_STORE(3, o + 48, D * 4);
   }
-  alignas(64) float totals[16];
+  alignas(64) float totals[16], top_lanes[16];
   _mm512_store_ps(totals, total);
+  _mm512_store_ps(top_lanes, top);
   for (int i = 0; i < count; ++i) {
+    if (sinks) totals[i] += sink_weight(sinks[i], top_lanes[i], scale);
     const __m512 inv = _mm512_set1_ps(1.0f / totals[i]);
     for (int d = 0; d < D; d += 16) {
       const __m256bh h = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(s.out + i * D + d), inv));

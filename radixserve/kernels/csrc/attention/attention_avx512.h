@@ -64,6 +64,24 @@ RS_AVX512 inline float softmax_in_place(float* s, int64_t n, float top, float sc
   return _mm512_reduce_add_ps(sum);
 }
 
+// A query head's attention sink (gpt-oss: a learned logit per head that joins the softmax's
+// denominator and nothing else), or -inf for none. The paths keep scores unscaled, so the
+// softmax's maximum takes the sink as sink / scale; its weight e^(sink - scale top) is summed
+// into the total once the keys' are.
+inline float sink_of(const float* sinks, int64_t g) {
+  return sinks ? sinks[g] : -std::numeric_limits<float>::infinity();
+}
+
+inline float top_with_sink(float top, float sink, float scale) {
+  return std::max(top, sink / scale);
+}
+
+// e^(sink - scale top), 0 for no sink (exp16 alone would give e^-87 there).
+RS_AVX512 inline float sink_weight(float sink, float top, float scale) {
+  if (sink == -std::numeric_limits<float>::infinity()) return 0.f;
+  return _mm512_cvtss_f32(exp16(_mm512_set1_ps(sink - top * scale)));
+}
+
 RS_AVX512 inline float max_of(const float* s, int64_t n) {
   __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   int64_t t = 0;
@@ -74,11 +92,11 @@ RS_AVX512 inline float max_of(const float* s, int64_t n) {
 }
 
 // The same as attention.cpp's attend_portable, 16 floats at a time; D (head_dim) is a
-// multiple of 16.
+// multiple of 16. sinks: the G query heads' sinks, or null.
 template <typename T, int D>
 RS_AVX512 void attend_avx512(const float* q, const T* keys, const T* values,
                              const int32_t* slots, int64_t n, int64_t groups, float scale,
-                             float* scores, T* out) {
+                             const float* sinks, float* scores, T* out) {
   constexpr int W = D / 16;
   for (int64_t g = 0; g < groups; ++g) {
     __m512 qg[W];
@@ -90,7 +108,9 @@ RS_AVX512 void attend_avx512(const float* q, const T* keys, const T* values,
       for (int j = 1; j < W; ++j) acc = _mm512_fmadd_ps(qg[j], load16(k + 16 * j), acc);
       s[t] = _mm512_reduce_add_ps(acc);
     }
-    const float total = softmax_in_place(s, n, max_of(s, n), scale);
+    const float sink = sink_of(sinks, g);
+    const float top = top_with_sink(max_of(s, n), sink, scale);
+    const float total = softmax_in_place(s, n, top, scale) + sink_weight(sink, top, scale);
     __m512 acc[W];
     for (int j = 0; j < W; ++j) acc[j] = _mm512_setzero_ps();
     for (int64_t t = 0; t < n; ++t) {
@@ -156,12 +176,13 @@ RS_AVX512BF16 void weigh_values_bf16(const uint16_t* probs, int64_t stride, cons
   }
 }
 
-// Scratch: scores [groups * n], probs [groups * (n + 2)], total [groups].
+// Scratch: scores [groups * n], probs [groups * (n + 2)], total [groups]. sinks: the G query
+// heads' sinks, or null.
 template <int D>
 RS_AVX512BF16 void attend_bf16(const c10::BFloat16* q, const c10::BFloat16* keys,
                                const c10::BFloat16* values, const int32_t* slots, int64_t n,
-                               int64_t groups, float scale, float* scores, uint16_t* probs,
-                               float* total, c10::BFloat16* out) {
+                               int64_t groups, float scale, const float* sinks, float* scores,
+                               uint16_t* probs, float* total, c10::BFloat16* out) {
   constexpr int C = D / 32;
   const int64_t stride = n + 2;  // each head's probabilities, a zero after the last
   for (int64_t g = 0; g < groups; ++g) {
@@ -185,7 +206,9 @@ RS_AVX512BF16 void attend_bf16(const c10::BFloat16* q, const c10::BFloat16* keys
       for (int c = 1; c < C; ++c) a = _mm512_dpbf16_ps(a, load_bh(k + 32 * c), qg[c]);
       s[t] = _mm512_reduce_add_ps(a);
     }
-    total[g] = softmax_in_place(s, n, max_of(s, n), scale);
+    const float sink = sink_of(sinks, g);
+    const float top = top_with_sink(max_of(s, n), sink, scale);
+    total[g] = softmax_in_place(s, n, top, scale) + sink_weight(sink, top, scale);
     uint16_t* p = probs + g * stride;
     for (t = 0; t + 16 <= n; t += 16) {
       __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(s + t));

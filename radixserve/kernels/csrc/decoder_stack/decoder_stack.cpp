@@ -50,7 +50,8 @@ using SiluMul = Tensor(const Tensor&);
 using Rotary = void(Tensor&, const Tensor&, const Tensor&, int64_t);
 using WriteKV = void(Tensor&, Tensor&, const Tensor&, const Tensor&, const Tensor&);
 using Attention = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                         const Tensor&, const Tensor&, double, int64_t);
+                         const Tensor&, const Tensor&, double, int64_t,
+                         const c10::optional<Tensor>&);
 
 template <typename Signature>
 c10::TypedOperatorHandle<Signature> op(const char* name) {
@@ -139,7 +140,8 @@ class DecoderStack : public torch::CustomClassHolder {
         tokens = rows.numel();
       }
       at::Tensor attended = attention_.call(q.contiguous(), k_caches[i], v_caches[i], slots,
-                                            begins, lengths, scale_, attention_path);
+                                            begins, lengths, scale_, attention_path,
+                                            c10::nullopt);
       h = project(p[1], attended.view({tokens, heads_ * head_dim_}));
 
       std::tie(residual, normed) = add_rms_norm_.call(residual, h, post_norm, eps_);
