@@ -108,8 +108,8 @@ def test_quantized_copies_agree_with_float(checkpoint):
 
 
 def test_cache_on_equals_off_and_chunked_equals_unchunked(checkpoint):
-    runs = cache_and_chunking_runs(checkpoint.gguf_q8_0)
-    assert runs["radix"] == runs["off"] == runs["chunked"]
+    cached_in_chunks, off = cache_and_chunking_runs(checkpoint.gguf_q8_0)
+    assert cached_in_chunks == off
 
 
 def _unnormalised_experts(llm) -> None:

@@ -96,11 +96,9 @@ def kv_pool_pages(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) 
 
 def build_attention(config: EngineConfig, model: ModelConfig, num_slots: int,
                     device: torch.device, dtype: torch.dtype) -> StepAttention:
-    windows = {model.layer_window(i) for i in range(model.num_layers)}
-    if len(windows) > 1:
-        raise ValueError(f"{model.architecture}: layers with different sliding windows are not "
-                         "supported yet")
+    # Layers whose windows differ pass their own (DecoderModel.layer_attention).
+    window = model.layer_window(0) if model.uniform_windows else None
     env = AttentionEnv(num_heads=model.num_heads, num_kv_heads=model.num_kv_heads,
-                       head_dim=model.head_dim, window=windows.pop(),
+                       head_dim=model.head_dim, window=window,
                        num_slots=num_slots, device=device, dtype=dtype)
     return choose_attention(env, config.attention_backend, config.prefill_attention_backend)

@@ -110,6 +110,11 @@ class ModelConfig:
         return self.rope
 
     @property
+    def uniform_windows(self) -> bool:
+        """Whether every layer has the same sliding window (or none)."""
+        return len({self.layer_window(i) for i in range(self.num_layers)}) == 1
+
+    @property
     def uniform_layers(self) -> bool:
         """Whether every layer attends alike: one window, one RoPE (what the C++ decoder
         stack and a single attention environment run)."""

@@ -5,13 +5,14 @@ general.architecture.
 
 from __future__ import annotations
 
-from radixserve.model import llama, qwen3, qwen3_moe
+from radixserve.model import gpt_oss, llama, qwen3, qwen3_moe
 from radixserve.model.family import ModelFamily
 
 FAMILIES: tuple[ModelFamily, ...] = (
     llama.FAMILY,
     qwen3.FAMILY,
     qwen3_moe.FAMILY,
+    gpt_oss.FAMILY,
 )
 
 
