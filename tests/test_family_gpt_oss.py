@@ -144,3 +144,23 @@ def test_released_mxfp4_experts_decode_as_transformers_decodes_them():
     ours = gguf.quants.dequantize(mxfp4_blocks(blocks, scales).reshape(12, -1).numpy(),
                                   gguf.GGMLQuantizationType.MXFP4)
     assert torch.equal(torch.from_numpy(ours).view(2, 6, 128), expected)
+
+
+def test_mxfp4_is_rewritten_to_q8_0_without_loss():
+    import gguf
+    import numpy as np
+
+    from radixserve.model.quantize import repack
+
+    rng = np.random.default_rng(0)
+    # Rows of weights from 1e-5 to 1e3 in magnitude: block scales 2^-18 .. 2^8.
+    weights = (rng.standard_normal((64, 256)) * np.logspace(-5, 3, 64)[:, None]).astype(np.float32)
+    raw = gguf.quants.quantize(weights, gguf.GGMLQuantizationType.MXFP4)
+    target, rewritten = repack("MXFP4", raw)
+    assert target == "Q8_0" and rewritten.shape == (64, 256 // 32 * 34)
+    want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.MXFP4)
+    got = gguf.quants.dequantize(rewritten.numpy(), gguf.GGMLQuantizationType.Q8_0)
+    assert np.array_equal(got, want)
+    raw[0, 0] = 255  # a scale of 2^127: no model's weights
+    with pytest.raises(ValueError, match="exceeds 2"):
+        repack("MXFP4", raw)
