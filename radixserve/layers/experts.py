@@ -8,6 +8,7 @@ routes; this module only computes.
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
@@ -20,6 +21,8 @@ from radixserve.kernels import GGUFOps, PanelArena
 from radixserve.layers.linear import LinearMethod
 from radixserve.layers.quantized import QuantizedLinear
 from radixserve.layers.quantized_weight import QuantizedWeight
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -144,6 +147,11 @@ class QuantizedExperts(ExpertsMethod):
         return f"gguf experts on the {self.ops.path_name(self.max_path)} path"
 
     def take_blocks(self, experts: Experts, blocks: ExpertBlocks) -> None:
+        if experts.inter % 16 or experts.hidden % 16:  # an expert's rows fill whole panels
+            log.info("experts of %d -> %d -> %d are not whole 16-row panels: run as floats",
+                     experts.hidden, experts.inter, experts.hidden)
+            super().take_blocks(experts, blocks)
+            return
         experts.panels = ExpertPanels(*((b.pack(self.ops, self.arena), b.type_id)
                                         for b in (blocks.gate, blocks.up, blocks.down)))
         experts.gate_up = experts.down = None
