@@ -77,8 +77,12 @@ def figures(args: argparse.Namespace) -> tuple[Figure, ...]:
                "<= 0.8x AVX2-only, 0.5x AVX-512/BF16"),
         Figure("decode_ms_per_token", "decode, batch 1 (ms/token)", True, "<= 1x"),
         Figure("decode_gb_per_s", "  weights streamed by that decode (GB/s)", False, ""),
+        Figure("weights_read_gb_per_token",
+               "  weights a decoded token reads (GB; llama.cpp: the file's active share)", True,
+               ""),
         Figure("load_s", "LLM() load (s)", True, ""),
         Figure("rss_after_load_gb", "LLM() RSS after load (GB)", True, "<= 1.15x file"),
+        Figure("rss_over_file", "  that RSS over the file's size", True, "<= 1.15"),
         Figure("peak_rss_gb", "LLM() peak RSS during load, mapped file pages included (GB)",
                True, ""),
         Figure("peak_anon_gb", "LLM() peak anonymous memory during load (GB)", True, ""),
@@ -104,15 +108,25 @@ def cpu_summary() -> dict[str, Any]:
 
 def describe_model(path: Path) -> dict[str, Any]:
     """File size, tensor types, and the bytes one decode step reads: every matrix except the
-    embedding table, which is read one row per token unless it is also the LM head."""
+    embedding table, which is read one row per token unless it is also the LM head; of a
+    mixture-of-experts model's expert tensors (`*_exps`), the share of the experts a token
+    uses (`{arch}.expert_used_count` of `{arch}.expert_count`): its active parameters."""
     gguf_file = GGUFFile.open(path)
-    tensors = gguf_file.tensors
+    tensors, meta = gguf_file.tensors, gguf_file.metadata
+    arch = meta.get("general.architecture")
+    experts, used = meta.get(f"{arch}.expert_count", 0), meta.get(f"{arch}.expert_used_count", 0)
     tied = "output.weight" not in tensors
-    per_token = sum(t.n_bytes for name, t in tensors.items()
-                    if name != "token_embd.weight" or tied)
+
+    def read_per_token(name: str, n_bytes: int) -> int:
+        if name == "token_embd.weight" and not tied:
+            return 0
+        return n_bytes * used // experts if experts and "_exps." in name else n_bytes
+
+    per_token = sum(read_per_token(name, t.n_bytes) for name, t in tensors.items())
     return {"path": str(path), "file_bytes": path.stat().st_size,
             "tensor_types": dict(Counter(t.type_name for t in tensors.values())),
-            "weight_bytes_per_token": per_token}
+            "weight_bytes_per_token": per_token,
+            "experts": {"count": experts, "used": used} if experts else None}
 
 
 # ----- offline figures: llama-bench, and radixserve.LLM in a child process
@@ -193,6 +207,7 @@ def child_measure(args: argparse.Namespace) -> dict[str, Any]:
                               "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
                               * 1024 / 1e9,
                               "peak_anon_gb": anonymous.peak / 1e9}
+    result["weights_read_gb_per_token"] = decode_weight_bytes(llm.engine.model) / 1e9
     greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     llm.generate([{"prompt_token_ids": tokens(64)}], greedy, use_tqdm=False)  # warm-up
 
@@ -210,6 +225,25 @@ def child_measure(args: argparse.Namespace) -> dict[str, Any]:
     result["prefill_s"] = time.perf_counter() - start
     result["prefill_cached_tokens"] = out.num_cached_tokens
     return result
+
+
+def decode_weight_bytes(model: Any) -> int:
+    """Bytes of weights radixserve's model reads per decoded token: every projection as it is
+    held (GGUF panels, float panels or a float weight), of a mixture-of-experts layer only the
+    chosen experts' (`Experts.active_bytes`), not the embedding table (one row a token)."""
+    from radixserve.layers.linear import Linear
+    from radixserve.model.moe import MoEBlock
+
+    total = 0
+    for module in model.modules():
+        if isinstance(module, MoEBlock):
+            total += module.experts.active_bytes(module.routing.top_k)
+        elif isinstance(module, Linear):
+            held = module.packed.nbytes if module.packed is not None else sum(
+                t.numel() * t.element_size() for t in (module.panels, module.weight)
+                if t is not None)
+            total += held
+    return total
 
 
 # ----- servers through the OpenAI chat API
@@ -298,6 +332,9 @@ def run_model(args: argparse.Namespace, model: Path, bank: WordBank,
         for values in row.values():
             values["decode_gb_per_s"] = (info["weight_bytes_per_token"]
                                          / values["decode_ms_per_token"] / 1e6)
+        row[LLAMA_CPP]["weights_read_gb_per_token"] = info["weight_bytes_per_token"] / 1e9
+        row[RADIXSERVE]["rss_over_file"] = (row[RADIXSERVE]["rss_after_load_gb"] * 1e9
+                                            / info["file_bytes"])
         if not args.skip_server:
             for system in (llama_server(args, model, context),
                            radixserve_server(args, model, context)):

@@ -60,6 +60,22 @@ class GGUFOps:
             panels, ggml_types, rows = [panels], [ggml_types], [rows]
         return torch.ops.radixserve.gguf_linear(x, panels, ggml_types, rows, bias, max_path)
 
+    def moe(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+            gate: tuple[torch.Tensor, int], up: tuple[torch.Tensor, int],
+            down: tuple[torch.Tensor, int], experts: int, inter: int,
+            gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None,
+            activation: int, alpha: float, limit: float, max_path: int) -> torch.Tensor:
+        """A mixture-of-experts layer's experts (csrc/gguf/gguf_moe.cpp): x [T, H] (float32 or
+        bfloat16, contiguous) -> [T, H] in x's dtype, sum over j of weights[t, j] (float32
+        [T, top_k]) times expert ids[t, j]'s (int64 [T, top_k]) down(act(gate x, up x)).
+        gate and up are (panels, GGUF type) of all experts' [experts * inter, H] matrices,
+        down of [experts * H, inter]; biases float32 [experts, 2 * inter] (gate then up) and
+        [experts, H]; activation 0 is silu(gate) * up, 1 gpt-oss's clamped SwiGLU (alpha,
+        limit). Only the chosen experts' panels are read, once per call."""
+        return torch.ops.radixserve.gguf_moe(x, ids, weights, gate[0], gate[1], up[0], up[1],
+                                             down[0], down[1], experts, inter, gate_up_bias,
+                                             down_bias, activation, alpha, limit, max_path)
+
 
 @functools.cache
 def gguf_ops() -> GGUFOps | None:

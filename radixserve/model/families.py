@@ -5,7 +5,7 @@ general.architecture.
 
 from __future__ import annotations
 
-from radixserve.model import gemma3, llama, phi3, qwen3, smollm3
+from radixserve.model import gemma3, gpt_oss, llama, phi3, qwen3, qwen3_moe, smollm3
 from radixserve.model.family import ModelFamily
 
 FAMILIES: tuple[ModelFamily, ...] = (
@@ -14,6 +14,8 @@ FAMILIES: tuple[ModelFamily, ...] = (
     phi3.FAMILY,
     smollm3.FAMILY,
     gemma3.FAMILY,
+    qwen3_moe.FAMILY,
+    gpt_oss.FAMILY,
 )
 
 

@@ -7,6 +7,7 @@ matrices quantized as they are read (`quantize_to`, see radixserve/model/quantiz
 from __future__ import annotations
 
 import json
+import math
 import warnings
 from collections.abc import Collection
 from contextlib import ExitStack
@@ -26,7 +27,7 @@ from radixserve.model.tokenizer import ChatTokenizer, load_gguf_tokenizer, load_
 
 # GGUF tensor-type names we dequantize (gguf_file can decode more; these are tested).
 GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q3_K", "Q4_K",
-              "Q5_K", "Q6_K")
+              "Q5_K", "Q6_K", "MXFP4")
 FLOAT_TYPES = ("F32", "F16", "BF16")
 
 @dataclass
@@ -78,6 +79,9 @@ def _load_hf_dir(path: Path, progress: bool, quantize_to: str | None) -> LoadedM
                  if not (config.tie_word_embeddings and name == "lm_head.weight")]
         for f, name in tqdm(names, desc="Loading weights", unit="tensor", disable=not progress):
             tensor = f.get_tensor(name)
+            if not tensor.is_floating_point():  # packed blocks (gpt-oss's MXFP4): as stored
+                weights[name] = tensor
+                continue
             matrix = tensor.dim() == 2 and tensor.shape[1] % 32 == 0
             weights[name] = (_quantized(tensor, quantize_to) if quantize_to and matrix
                              else tensor.float())
@@ -112,12 +116,14 @@ def _gguf_weight(tensor: GGUFTensor, keep: frozenset[str],
     """The file's blocks (a format in `keep`), a float matrix quantized to `quantize_to`, or
     float32. Quantized matrices are never requantized: their blocks carry the file's own
     rounding, and decoding a Q4 tensor to store it as Q8_0 gains nothing."""
-    matrix = len(tensor.dims) == 2
+    # Matrices, and a mixture-of-experts layer's stacked experts [experts, rows, cols], kept
+    # as blocks of experts * rows.
+    matrix = len(tensor.dims) in (2, 3)
     if matrix and tensor.type_name in keep:
         return _blocks(tensor)
     if (matrix and quantize_to and tensor.type_name in FLOAT_TYPES
             and tensor.dims[0] % 32 == 0):
-        return _quantized(_float_view(tensor), quantize_to)
+        return _quantized(_float_view(tensor).reshape(-1, tensor.dims[0]), quantize_to)
     return _dequantize(tensor)
 
 
@@ -133,7 +139,8 @@ def _float_view(tensor: GGUFTensor) -> torch.Tensor:
 def _blocks(tensor: GGUFTensor) -> QuantizedWeight:
     """The tensor's blocks as a uint8 [rows, bytes per row] view of the map (no copy), or
     rewritten into an executed format (REPACKED_TYPES; see radixserve/model/quantize.py)."""
-    rows, cols = tensor.shape
+    *outer, cols = tensor.shape  # [rows, cols], or stacked experts [experts, rows, cols]
+    rows = math.prod(outer)
     if tensor.type_name in REPACKED_TYPES:
         type_name, rewritten = repack(tensor.type_name, tensor.data.reshape(rows, -1))
         return QuantizedWeight(type_name, rows, cols, rewritten)

@@ -35,9 +35,9 @@ QUANTIZE_TO = {"int8": "Q8_0", "int4": "Q4_1"}
 _CHUNK_ELEMENTS = 1 << 18
 
 BLOCK_SIZES = {"Q8_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q3_K": 256,
-               "Q5_K": 256, "Q6_K": 256}
+               "Q5_K": 256, "Q6_K": 256, "MXFP4": 32}
 BLOCK_BYTES = {"Q8_0": 34, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q3_K": 110,
-               "Q5_K": 176, "Q6_K": 210}
+               "Q5_K": 176, "Q6_K": 210, "MXFP4": 17}
 
 
 def quantize(weight: torch.Tensor, type_name: str) -> torch.Tensor:
@@ -245,7 +245,34 @@ def _encode_q6_k(u: np.ndarray, scales: np.ndarray, d: np.ndarray, out: np.ndarr
     out[:, 208:] = d
 
 
+# MXFP4's E2M1 values, doubled (ggml's kvalues_mxfp4): code c's weight is this times 2^(e - 128).
+_MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.int8)
+
+
+def _mxfp4_as_q8_0(blocks: np.ndarray, out: np.ndarray) -> None:
+    # MXFP4 (E8M0 exponent e, 16 bytes of nibbles laid out as Q4_0's) holds x = v * 2^(e - 128)
+    # with v in -12..12. Q8_0 holds x = q * d with an fp16 d: d = 2^(e - 128 - s) and q = v * 2^s
+    # (s = 0..3 keeps |q| <= 96) give the same values wherever 2^(e - 128 - s) is an fp16 power
+    # of two (2^-24 .. 2^15), which covers every block whose largest weight is 4e-7 .. 2^18.
+    # Smaller blocks (e < 104) are rounded onto d = 2^-24; larger ones cannot occur in a model
+    # (refused).
+    n = blocks.shape[0]
+    exponent = blocks[:, 0].astype(np.int32) - 128
+    if (exponent > 18).any():
+        raise ValueError("an MXFP4 block's scale exceeds 2^18: not a model's weights")
+    shift = np.clip(exponent - 15, 0, 3)
+    scale = np.maximum(exponent - shift, -24)
+    codes = np.empty((n, 32), dtype=np.uint8)
+    np.bitwise_and(blocks[:, 1:], 0x0F, out=codes[:, :16])
+    np.right_shift(blocks[:, 1:], 4, out=codes[:, 16:])
+    values = _MXFP4_VALUES[codes].astype(np.float64)
+    q = np.rint(np.ldexp(values, (exponent - scale)[:, None]))
+    out[:, :2] = np.ldexp(1.0, scale).astype(np.float16).reshape(n, 1).view(np.uint8)
+    out[:, 2:] = q.astype(np.int8).view(np.uint8)
+
+
 _REPACKS: dict[str, tuple[str, Callable[[np.ndarray, np.ndarray], None]]] = {
+    "MXFP4": ("Q8_0", _mxfp4_as_q8_0),
     "Q5_0": ("Q8_0", _q5_0_as_q8_0),
     "Q5_1": ("Q8_0", _q5_1_as_q8_0),
     "Q5_K": ("Q8_0", _q5_k_as_q8_0),

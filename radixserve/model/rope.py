@@ -12,7 +12,7 @@ import torch
 
 from radixserve.model.config import RopeConfig
 
-SCALINGS = ("linear", "llama3", "longrope", "factors")
+SCALINGS = ("linear", "llama3", "longrope", "yarn", "factors")
 
 
 @dataclass(frozen=True)
@@ -47,12 +47,14 @@ def rope_table(rope: RopeConfig, rotary_dim: int, max_context: int) -> RopeTable
         factors = scaling["long_factor" if max_context > original else "short_factor"]
         inv = inv / torch.tensor(factors, dtype=torch.float64, device="cpu")
         magnitude = _longrope_magnitude(scaling)
+    elif kind == "yarn":
+        inv, magnitude = _yarn(rope.theta, rotary_dim, scaling)
     elif kind == "factors":  # GGUF's rope_freqs tensor: per-frequency divisors
         inv = inv / torch.tensor(scaling["factors"], dtype=torch.float64, device="cpu")
         magnitude = scaling.get("attention_factor", 1.0)
     elif kind is not None:
         raise ValueError(f"rope scaling {kind!r} is not supported (supported: "
-                         f"{', '.join(SCALINGS[:3])})")
+                         f"{', '.join(SCALINGS[:4])})")
     if inv.numel() != rotary_dim // 2:
         raise ValueError(f"rope scaling gives {inv.numel()} frequencies for {rotary_dim} "
                          "rotary dimensions")
@@ -80,3 +82,37 @@ def _longrope_magnitude(scaling: dict) -> float:
     factor = scaling.get("factor") or 1.0
     original = scaling["original_max_position_embeddings"]
     return math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+
+
+def _yarn(theta: float, dim: int, scaling: dict) -> tuple[torch.Tensor, float]:
+    """YaRN (gpt-oss; Qwen3 past its native context), as transformers computes it: each
+    frequency blended between itself (fast rotations, beyond `beta_fast` turns over the
+    original context) and itself / `factor` (slow ones, under `beta_slow` turns), linearly in
+    between; cos and sin scaled by 0.1 ln(factor) + 1 unless an attention factor is given.
+    `truncate` (default true) rounds the blend's ends outward to whole dimensions; gpt-oss's
+    config turns it off."""
+    factor = scaling["factor"]
+    original = scaling["original_max_position_embeddings"]
+    fast, slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def dimension(turns: float) -> float:  # where a frequency makes `turns` over `original`
+        return dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dimension(fast), dimension(slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64, device="cpu") - low)
+            / ((high - low) or 0.001)).clamp(0, 1)
+    base = theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim)
+    inv = (1 / (factor * base)) * ramp + (1 / base) * (1 - ramp)
+    magnitude = scaling.get("attention_factor")
+    if magnitude is None:
+        magnitude = _yarn_mscale(factor, scaling.get("mscale") or 1)
+        if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+            magnitude /= _yarn_mscale(factor, scaling["mscale_all_dim"])
+    return inv, float(magnitude)
+
+
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0

@@ -116,7 +116,9 @@ def requantize_gguf(source: Path, outfile: Path, type_name: str) -> Path:
     qtype = gguf.GGMLQuantizationType[type_name]
     for tensor in reader.tensors:
         data = tensor.data.reshape([int(n) for n in reversed(tensor.shape)])
-        if data.ndim == 2 and data.shape[1] % 32 == 0:
+        # As llama-quantize: matrices and 3-D expert stacks in blocks; routers and biases float.
+        if (data.ndim >= 2 and data.shape[-1] % 32 == 0
+                and not tensor.name.endswith((".bias", "ffn_gate_inp.weight"))):
             writer.add_tensor(tensor.name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(tensor.name, data)
