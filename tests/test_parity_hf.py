@@ -96,9 +96,9 @@ def test_bfloat16_prefill_stays_close_to_float32(llm, model_path, monkeypatch):
     calls = []
     original = backend.attend
 
-    def counted(self, q, keys, values, span):
+    def counted(self, q, keys, values, span, scale):
         calls.append(span.plain_causal_from)
-        return original(self, q, keys, values, span)
+        return original(self, q, keys, values, span, scale)
 
     monkeypatch.setattr(backend, "attend", counted)
     whole = LLM(str(model_path), dtype="bfloat16", prefill_attention_backend=backend.name,
