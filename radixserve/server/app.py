@@ -31,6 +31,7 @@ from radixserve.server.observability.dashboard import install_dashboard
 from radixserve.server.observability.metrics import EngineSnapshot, ServerMetrics, take_snapshot
 from radixserve.server.observability.stats_routes import install_cache_stats
 from radixserve.server.openai.protocol import ChatCompletionRequest, CompletionRequest
+from radixserve.server.openai.responses import install_responses_api, open_store
 from radixserve.server.openai.routes import build_openai_router
 from radixserve.server.serving import EngineService, Lifecycle
 from radixserve.server.settings import ServerSettings
@@ -72,6 +73,7 @@ def create_app(aengine: EngineFront, settings: ServerSettings | None = None,
     install_error_handlers(app)
     app.include_router(build_openai_router())
     install_anthropic_api(app, ledger, clock, settings.enable_clock_control)
+    install_responses_api(app, open_store(ctx))
     install_dashboard(app)
     stats = install_cache_stats(app, ctx)
     for path, endpoint in (("/health", health), ("/metrics", metrics_text)):
