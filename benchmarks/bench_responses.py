@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from array import array
 from pathlib import Path
 from typing import Any
 
@@ -203,7 +204,7 @@ def store_bound(count: int, max_mb: float, tokens: int) -> dict[str, Any]:
         rng = random.Random(0)
         start = time.perf_counter()
         for i in range(count):
-            ids = [rng.randrange(50000) for _ in range(tokens)]
+            ids = [b % 50000 for b in array("H", rng.randbytes(2 * tokens))]
             store.put(StoredResponse(id=f"resp_{i}", tenant="", token_ids=ids,
                                      prompt_len=tokens - 20, history_len=0, namespace=None,
                                      input_items=[{"type": "message", "role": "user",
@@ -255,10 +256,16 @@ def main() -> None:
     parser.add_argument("--store-responses", type=int, default=10000)
     parser.add_argument("--store-max-mb", type=float, default=64.0)
     parser.add_argument("--store-tokens", type=int, default=4000)
+    parser.add_argument("--store-only", action="store_true",
+                        help="only the store's bound check (no server)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args()
 
+    if args.store_only:
+        bound = store_bound(args.store_responses, args.store_max_mb, args.store_tokens)
+        print("store", json.dumps(bound, indent=1))
+        return
     model = Path(args.model) if args.model else default_model_path()
     bank = WordBank.from_tokenizer(load_tokenizer(model))
     work = workloads(args, bank)

@@ -17,7 +17,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from radixserve.testing.server import ServerProcess
+from radixserve.testing.server import ServerProcess, read_metrics
 from tests.support.servers import openai_client, running_server
 
 pytestmark = [pytest.mark.model, pytest.mark.server]
@@ -56,7 +56,9 @@ def _greedy(**kwargs: Any) -> dict[str, Any]:
 
 
 def test_text_with_instructions_is_chat_completions_greedy_output(client: openai.OpenAI) -> None:
-    r = client.responses.create(**_greedy(input="Name a fruit.", instructions="Be brief."))
+    r = client.responses.create(**_greedy(input="Name a fruit.", instructions="Be brief.",
+                                          include=["message.output_text.logprobs"],
+                                          top_logprobs=2))
     chat = client.chat.completions.create(
         model=MODEL, temperature=0, max_tokens=48,
         messages=[{"role": "system", "content": "Be brief."},
@@ -67,6 +69,9 @@ def test_text_with_instructions_is_chat_completions_greedy_output(client: openai
     assert r.usage.input_tokens == chat.usage.prompt_tokens
     assert r.usage.output_tokens == chat.usage.completion_tokens
     assert client.responses.retrieve(r.id).output_text == r.output_text
+    logprobs = r.output[0].content[0].logprobs  # type: ignore[union-attr]
+    assert logprobs is not None and len(logprobs) == r.usage.output_tokens
+    assert all(len(entry.top_logprobs) == 2 and entry.logprob <= 0 for entry in logprobs)
     count = client.responses.input_tokens.count(model=MODEL, input="Name a fruit.",
                                                 instructions="Be brief.")
     assert count.input_tokens == r.usage.input_tokens
@@ -138,7 +143,13 @@ def test_forced_and_free_function_calls(client: openai.OpenAI) -> None:
     assert all(item.type == "message" for item in free.output) and free.output_text
 
 
-def test_tool_loop_by_id_hits_the_whole_stored_sequence(client: openai.OpenAI) -> None:
+READ = "prompt_cache_usage_tokens_total{api=openai,kind=read}"
+
+
+def test_tool_loop_by_id_hits_the_whole_stored_sequence(client: openai.OpenAI,
+                                                        server: ServerProcess) -> None:
+    billed = read_metrics(server.base_url).get(READ, 0.0)
+    cached = 0
     r = client.responses.create(**_greedy(
         input="Weather in Paris, Rome, Oslo, Lima, Kyiv and Bern?", tools=[WEATHER],
         instructions="You are a weather agent. Use the tools.", tool_choice="required",
@@ -157,9 +168,12 @@ def test_tool_loop_by_id_hits_the_whole_stored_sequence(client: openai.OpenAI) -
         # The stored prompt and output, less the last output token (sampled, never computed:
         # the first token this turn computes).
         assert usage.input_tokens_details.cached_tokens >= whole - 1, turn
+        cached += usage.input_tokens_details.cached_tokens
     items = client.responses.input_items.list(r.id, order="asc").data
     assert [item.type for item in items] == ["function_call_output"]
     assert items[0].output == "14C and sunny"  # type: ignore[union-attr]
+    # The cost ledger billed these requests' reads (and the first turn's, if any).
+    assert read_metrics(server.base_url)[READ] - billed >= cached
 
 
 def test_delete_expiry_and_other_keys_are_404(client: openai.OpenAI, other: openai.OpenAI,
