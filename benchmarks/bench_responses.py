@@ -202,15 +202,17 @@ def store_bound(count: int, max_mb: float, tokens: int) -> dict[str, Any]:
         store = ResponseStore(directory, int(max_mb * 2**20), 3600.0, time.time)
         rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         rng = random.Random(0)
-        start = time.perf_counter()
+        seconds = 0.0
         for i in range(count):
             ids = [b % 50000 for b in array("H", rng.randbytes(2 * tokens))]
-            store.put(StoredResponse(id=f"resp_{i}", tenant="", token_ids=ids,
-                                     prompt_len=tokens - 20, history_len=0, namespace=None,
-                                     input_items=[{"type": "message", "role": "user",
-                                                   "content": "x" * 400}],
-                                     body={"output": [{"type": "message", "content": []}]}))
-        seconds = time.perf_counter() - start
+            response = StoredResponse(id=f"resp_{i}", tenant="", token_ids=ids,
+                                      prompt_len=tokens - 20, history_len=0, namespace=None,
+                                      input_items=[{"type": "message", "role": "user",
+                                                    "content": "x" * 400}],
+                                      body={"output": [{"type": "message", "content": []}]})
+            start = time.perf_counter()
+            store.put(response)
+            seconds += time.perf_counter() - start
         on_disk = sum(p.stat().st_size for p in Path(directory).iterdir())
         result = {"responses": count, "tokens_each": tokens, "bound_mb": max_mb,
                   "kept": len(store), "evicted": store.evicted,

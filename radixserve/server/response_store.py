@@ -13,7 +13,7 @@ import sqlite3
 import threading
 from array import array
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +69,7 @@ class ResponseStore:
         self._db.execute("pragma synchronous=normal")
         self._db.execute(_SCHEMA)
         self._db.execute("create index if not exists by_use on responses (last_used)")
+        self._db.execute("create index if not exists by_expiry on responses (expires_at)")
         self.bytes = self._scalar("select coalesce(sum(size), 0) from responses")
         self.evicted = 0
 
@@ -82,7 +83,9 @@ class ResponseStore:
     def put(self, response: StoredResponse) -> None:
         """Stores `response` (replacing one of the same id), then evicts the least recently
         used until the store is within its bound again."""
-        record = {k: v for k, v in asdict(response).items() if k != "token_ids"}
+        # Not asdict: it would deep-copy the token list only to drop it.
+        record = {f.name: getattr(response, f.name) for f in fields(response)
+                  if f.name != "token_ids"}
         text = json.dumps(record, ensure_ascii=False, separators=(",", ":"))
         tokens = array("i", response.token_ids).tobytes()
         size = len(text.encode()) + len(tokens)
