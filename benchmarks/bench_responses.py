@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import random
@@ -182,7 +183,9 @@ def _summary(runs: list[list[dict[str, float]]]) -> list[dict[str, float]]:
 
 async def drive(url: str, kind: str, workloads: list[tuple[str, list[str]]],
                 output_tokens: int) -> list[dict[str, float]]:
-    run = {"by-id": by_id, "chat-full": full_chat, "responses-full": full_responses}[kind]
+    # The chat run gets a namespace of its own: its first turns must not hit the by-id run's.
+    run = {"by-id": by_id, "chat-full": functools.partial(full_chat, salt="chat-full"),
+           "responses-full": full_responses}[kind]
     async with httpx.AsyncClient(base_url=url, timeout=3600) as client:
         runs = await asyncio.gather(*(run(client, instructions, results, output_tokens)
                                       for instructions, results in workloads))
