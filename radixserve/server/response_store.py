@@ -62,7 +62,9 @@ class ResponseStore:
             Path(directory).mkdir(parents=True, exist_ok=True)
             target = str(Path(directory) / "responses.sqlite3")
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(target, check_same_thread=False, isolation_level=None)
+        # Several processes may share one store: wait for a writer rather than fail.
+        self._db = sqlite3.connect(target, check_same_thread=False, isolation_level=None,
+                                   timeout=30.0)
         self._db.execute("pragma journal_mode=wal")
         # No fsync per response: a crash of the process loses nothing, a power cut the last
         # few responses, and a store call stays well under a millisecond on the event loop.
