@@ -17,11 +17,11 @@ import time
 import uuid
 from typing import Any
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
 from radixserve.outputs import RequestOutput
-from radixserve.server.auth import CacheNamespace, authenticate, cache_namespace
+from radixserve.server.auth import CacheNamespace, cache_namespace
 from radixserve.server.context import ServerContext, context_of
 from radixserve.server.errors import APIError, bad_request
 from radixserve.server.exchange import Delta, Exchange, handle
@@ -64,10 +64,10 @@ def open_store(ctx: ServerContext) -> ResponseStore:
                          lambda: time.time() + getattr(clock, "offset_s", 0.0))
 
 
-def install_responses_api(app: FastAPI, store: ResponseStore) -> None:
-    """Mounts the routes; `store` lives as long as the app (`app.state.responses`)."""
-    app.state.responses = store
-    router = APIRouter(dependencies=[Depends(_authenticate)], tags=["openai"])
+def build_responses_router() -> APIRouter:
+    """The routes, for the OpenAI router (which authenticates); the store they use is the
+    app's `app.state.responses` (`open_store`)."""
+    router = APIRouter()
     router.add_api_route(ROUTE, create_response, methods=["POST"],
                          openapi_extra=request_body_doc(ResponsesRequest))
     router.add_api_route(ROUTE + "/input_tokens", count_input_tokens, methods=["POST"],
@@ -77,11 +77,7 @@ def install_responses_api(app: FastAPI, store: ResponseStore) -> None:
     router.add_api_route(ROUTE + "/{response_id}/input_items", list_input_items,
                          methods=["GET"])
     router.add_api_route(ROUTE + "/{response_id}/cancel", cancel_response, methods=["POST"])
-    app.include_router(router)
-
-
-async def _authenticate(request: Request) -> None:
-    request.state.api_key = authenticate(request, context_of(request).settings)
+    return router
 
 
 def _store(request: Request) -> ResponseStore:
