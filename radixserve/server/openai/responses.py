@@ -49,7 +49,7 @@ from radixserve.server.tool_calls.tools import (
     openai_tools,
     turn_constraint,
 )
-from radixserve.server.transport import SSE_HEADERS, parse_body, request_body_doc
+from radixserve.server.transport import SSE_HEADERS, parse_body, read_body, request_body_doc
 from radixserve.server.validation import checked_sampling_params
 
 ROUTE = "/v1/responses"
@@ -391,7 +391,7 @@ async def count_input_tokens(request: Request) -> dict[str, Any]:
     """The prompt tokens a POST /v1/responses with this body would have, continuation
     included, without generating."""
     ctx, store = context_of(request), _store(request)
-    body = parse_body(await request.body(), ResponsesRequest)
+    body = parse_body(await read_body(request, ctx.settings.max_request_bytes), ResponsesRequest)
     ctx.check_model(body.model)
     body.check_supported()
     tenant = tenant_of(request.state.api_key)
