@@ -30,6 +30,7 @@ from radixserve.config import (
     SCHEDULE_POLICIES,
     EngineConfig,
 )
+from radixserve.home import cache_home
 from radixserve.replicas.launch import add_flags as add_replica_flags
 from radixserve.replicas.launch import check_flags as check_replica_flags
 from radixserve.replicas.launch import check_single, serve_replicas
@@ -80,6 +81,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     http = p.add_argument_group("HTTP")
     _http_flags(http)
     _accounting_flags(p.add_argument_group("prompt-cache accounting and cost"))
+    _responses_flags(p.add_argument_group("Responses API store (previous_response_id)"))
     http.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="log verbosity")
     http.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
                       help="log one line per HTTP request")
@@ -235,6 +237,26 @@ def _accounting_flags(caching: argparse._ArgumentGroup) -> None:
                               "engine's clock forward so cache TTLs expire without waiting")
 
 
+def _responses_flags(store: argparse._ArgumentGroup) -> None:
+    store.add_argument("--responses-dir", default=None, metavar="DIR",
+                       help="where stored responses live as token sequences (one SQLite file; "
+                            "survives restarts); default: responses/ in the --kv-offload-dir, "
+                            "else in $RADIXSERVE_HOME (~/.cache/radixserve)")
+    store.add_argument("--responses-ttl", type=float, default=3600.0, metavar="SECONDS",
+                       help="how long an unused stored response lives (each use renews it); "
+                            "its prefix stays pinned in the KV cache (and the disk tier) as long")
+    store.add_argument("--responses-max-mb", type=float, default=1024.0, metavar="MB",
+                       help="the store's bound on disk; least recently used responses go first")
+
+
+def _responses_dir(args: argparse.Namespace) -> str:
+    if args.responses_dir:
+        return str(args.responses_dir)
+    if args.kv_offload_dir:
+        return os.path.join(args.kv_offload_dir, "responses")
+    return str(cache_home() / "responses")
+
+
 def _from_flags(cls: type[SettingsT], args: argparse.Namespace, **values: object) -> SettingsT:
     """`cls` with each field set from the flag of the same name, if any; `values` set the
     fields whose flags are named otherwise (or need work), and win over the flags."""
@@ -250,7 +272,8 @@ def settings_from_flags(args: argparse.Namespace) -> ServerSettings:
     return _from_flags(
         ServerSettings, args,
         served_model_names=tuple(args.served_model_name or [args.model or DEFAULT_MODEL_NAME]),
-        api_keys=tuple(keys), shutdown_timeout_s=args.shutdown_timeout, prices_path=args.prices)
+        api_keys=tuple(keys), shutdown_timeout_s=args.shutdown_timeout, prices_path=args.prices,
+        responses_dir=_responses_dir(args))
 
 
 def engine_config_from_flags(args: argparse.Namespace) -> EngineConfig:

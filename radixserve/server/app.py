@@ -31,6 +31,8 @@ from radixserve.server.observability.dashboard import install_dashboard
 from radixserve.server.observability.metrics import EngineSnapshot, ServerMetrics, take_snapshot
 from radixserve.server.observability.stats_routes import install_cache_stats
 from radixserve.server.openai.protocol import ChatCompletionRequest, CompletionRequest
+from radixserve.server.openai.responses import open_store
+from radixserve.server.openai.responses_protocol import ResponsesRequest
 from radixserve.server.openai.routes import build_openai_router
 from radixserve.server.serving import EngineService, Lifecycle
 from radixserve.server.settings import ServerSettings
@@ -72,6 +74,7 @@ def create_app(aengine: EngineFront, settings: ServerSettings | None = None,
     install_error_handlers(app)
     app.include_router(build_openai_router())
     install_anthropic_api(app, ledger, clock, settings.enable_clock_control)
+    app.state.responses = open_store(ctx)  # the Responses API's stored responses
     install_dashboard(app)
     stats = install_cache_stats(app, ctx)
     for path, endpoint in (("/health", health), ("/metrics", metrics_text)):
@@ -79,7 +82,7 @@ def create_app(aengine: EngineFront, settings: ServerSettings | None = None,
         # Probes (aiperf, load balancers) send HEAD; the server drops the body.
         app.add_api_route(path, endpoint, methods=["HEAD"], include_in_schema=False)
     _document_bodies(app, [ChatCompletionRequest, CompletionRequest, MessagesRequest,
-                           CountTokensRequest])
+                           CountTokensRequest, ResponsesRequest])
     return app
 
 

@@ -44,6 +44,12 @@ class ServerSettings:
     tool_call_parser: str | None = None
     # "vllm": /metrics also exports `vllm:` twins of the metrics vLLM has (metrics_compat).
     metrics_compat: str | None = None
+    # The Responses API's store of responses as tokens (`response_store`): its directory (None:
+    # in memory, lost at exit), how long an unused response lives (seconds; its prefix stays
+    # pinned in the cache as long), and its bound on disk (least recently used out first).
+    responses_dir: str | None = None
+    responses_ttl: float = 3600.0
+    responses_max_mb: float = 1024.0
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
@@ -60,6 +66,8 @@ class ServerSettings:
             raise ValueError(f"cache_accounting must be one of {CACHE_ACCOUNTING_MODES}")
         if self.min_cacheable_tokens is not None and self.min_cacheable_tokens < 0:
             raise ValueError("min_cacheable_tokens must be >= 0")
+        if self.responses_ttl <= 0 or self.responses_max_mb <= 0:
+            raise ValueError("responses_ttl and responses_max_mb must be > 0")
         if self.metrics_compat is not None and self.metrics_compat not in METRICS_COMPAT_MODES:
             raise ValueError(f"metrics_compat must be one of {METRICS_COMPAT_MODES}")
 

@@ -19,12 +19,15 @@ CLIENT_TIMEOUT_S = 300
 @contextlib.contextmanager
 def running_server(tmp_path_factory: pytest.TempPathFactory, *flags: str,
                    name: str = "server") -> Iterator[ServerProcess]:
-    """`radixserve serve` on the default model with a small pool, 2 threads and invariant
-    checks, plus `flags` (a later flag wins over a default); it must stop cleanly and log no
-    serious error."""
+    """`radixserve serve` on the default model with a small pool, 2 threads, invariant
+    checks and its own Responses store, plus `flags` (a later flag wins over a default); it
+    must stop cleanly and log no serious error."""
+    directory = tmp_path_factory.mktemp(name)
+    # A Responses store of its own, not the one in the user's cache home.
     proc = start_server(["--kv-cache-tokens", "8192", "--num-threads", "2", "--debug-invariants",
-                         "--no-access-log", *flags],
-                        tmp_path_factory.mktemp(name) / "server.log")
+                         "--no-access-log", "--responses-dir", str(directory / "responses"),
+                         *flags],
+                        directory / "server.log")
     yield proc
     assert proc.stop() == 0, proc.log()
     assert not proc.serious_errors(), proc.log()

@@ -1,5 +1,5 @@
 """OpenAI-compatible routes: POST /v1/chat/completions (`chat`), POST /v1/completions
-(`completions`), GET /v1/models.
+(`completions`), the Responses API under /v1/responses (`responses`), GET /v1/models.
 
 Usage is engine truth by default: `prompt_tokens_details.cached_tokens` is exactly the prompt
 tokens the prefix cache supplied (as llama.cpp, and vLLM with --enable-prompt-tokens-details,
@@ -18,6 +18,7 @@ from radixserve.server.context import ServerContext, context_of
 from radixserve.server.openai.chat import create_chat_completion
 from radixserve.server.openai.completions import create_completion
 from radixserve.server.openai.protocol import ChatCompletionRequest, CompletionRequest
+from radixserve.server.openai.responses import build_responses_router
 from radixserve.server.transport import request_body_doc
 
 
@@ -29,6 +30,7 @@ def build_openai_router() -> APIRouter:
                          openapi_extra=request_body_doc(ChatCompletionRequest))
     router.add_api_route("/v1/completions", create_completion, methods=["POST"],
                          openapi_extra=request_body_doc(CompletionRequest))
+    router.include_router(build_responses_router())
     return router
 
 
