@@ -187,11 +187,11 @@ def test_a_request_past_its_deadline_is_aborted_and_frees_its_kv(
 
 
 def test_sigterm_finishes_streams_in_flight_refuses_new_ones_and_exits_0(
-    server: ServerProcess,
+    server: ServerProcess, fault_file: Path,
 ) -> None:
     # Last in the module: it stops the server (the fixture then finds it exited with 0).
-    def stream() -> list[str | None]:
-        with openai.OpenAI(base_url=server.base_url + "/v1", api_key=KEYS[0], max_retries=0,
+    def stream(key: str) -> list[str | None]:
+        with openai.OpenAI(base_url=server.base_url + "/v1", api_key=key, max_retries=0,
                            timeout=120) as client:
             chunks = client.chat.completions.create(
                 model=MODEL, max_tokens=40, temperature=0, stream=True,
@@ -199,13 +199,16 @@ def test_sigterm_finishes_streams_in_flight_refuses_new_ones_and_exits_0(
                 extra_body={"ignore_eos": True})
             return [c.choices[0].finish_reason for c in chunks if c.choices]
 
+    fault_file.write_text("stall")  # all four in flight when the signal comes
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        streams = [pool.submit(stream) for _ in range(4)]
-        _until(lambda: read_metrics(server.base_url)["num_requests_running"] == 4)
+        streams = [pool.submit(stream, key) for key in KEYS * 2]  # each key's share: 2
+        _until(lambda: _queued(server) == 4)
         server.process.send_signal(signal.SIGTERM)
         _until(lambda: _get(server, "/health/ready").status_code == 503)
+        assert _get(server, "/health/ready").json()["status"] == "draining"
         refused = _chat(server, KEYS[1])
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
         assert refused.headers["retry-after"] and refused.headers["retry-after-ms"]
+        fault_file.unlink()
         assert [f.result(timeout=120)[-1] for f in streams] == ["length"] * 4
     assert server.process.wait(timeout=60) == 0
