@@ -246,7 +246,7 @@ def _overload_flags(http: argparse._ArgumentGroup) -> None:
                       help="GET /health/ready: how long its 1-token generation may take")
     http.add_argument("--watchdog-stall", type=float, default=d.watchdog_stall_s,
                       metavar="SECONDS",
-                      help="an engine step running this long logs every thread's stack and "
+                      help="an engine step running this long (once warm-up has run) logs every thread's stack and "
                            "turns /health and /health/ready to 503 until it ends")
     http.add_argument("--watchdog-exit", type=float, default=d.watchdog_exit_s,
                       metavar="SECONDS",
@@ -331,7 +331,8 @@ def serve(args: argparse.Namespace) -> int:
         engine.pool.num_slots, config.page_size, str(engine.dtype).removeprefix("torch."),
         config.prefix_cache, args.host, args.port)
     watchdog = Watchdog(aengine.heartbeat, app.state.radixserve.lifecycle, lambda: aengine.alive,
-                        settings.watchdog_stall_s, settings.watchdog_exit_s)
+                        lambda: app.state.readiness.warmed, settings.watchdog_stall_s,
+                        settings.watchdog_exit_s)
     watchdog.start()
 
     def stop() -> None:

@@ -1,5 +1,5 @@
-"""The watchdog: a thread that reads the engine's heartbeat. A step running past the stall
-limit gets every thread's stack logged and the server marked not ready (liveness 503 too);
+"""The watchdog: a thread that reads the engine's heartbeat. Once warm-up has run, a step
+running past the stall limit gets every thread's stack logged and the server marked not ready (liveness 503 too);
 past the exit limit, or once the engine thread has died, the process exits non-zero so that a
 supervisor restarts it, rather than leaving routes waiting on an engine that will not answer.
 """
@@ -41,9 +41,12 @@ class Watchdog:
     """Started by the serving process; `stop` before the engine shuts down on purpose."""
 
     def __init__(self, heartbeat: Heartbeat, lifecycle: Lifecycle, engine_alive: Callable[[], bool],
-                 stall_s: float, exit_s: float, period_s: float = 0.2,
-                 exit_process: Callable[[int], None] = _exit_now) -> None:
+                 armed: Callable[[], bool], stall_s: float, exit_s: float,
+                 period_s: float = 0.2, exit_process: Callable[[int], None] = _exit_now) -> None:
+        """`armed`: whether step times count yet (after warm-up: a cold first step may build
+        kernels or wait on another process building them)."""
         self.heartbeat = heartbeat
+        self.armed = armed
         self.lifecycle = lifecycle
         self.engine_alive = engine_alive
         self.stall_s = stall_s
@@ -72,7 +75,7 @@ class Watchdog:
                             "the server", EXIT_ENGINE_DIED)
             self.exit_process(EXIT_ENGINE_DIED)
             return
-        running = self.heartbeat.step_running_s()
+        running = self.heartbeat.step_running_s() if self.armed() else 0.0
         if running > self.stall_s and not self.lifecycle.stalled:
             self.lifecycle.stalled = True
             logger.error("an engine step has run for %.1f s (stall limit %.0f s): not ready "
