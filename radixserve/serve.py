@@ -79,6 +79,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     _events_flags(p.add_argument_group("KV cache events (for an external router: llm-d, Dynamo)"))
     add_replica_flags(p.add_argument_group(
         "replicas on Ray Serve (off unless --replicas is given; needs radixserve[ray])"))
+    _grammar_flags(p.add_argument_group("structured output value bounds"))
     http = p.add_argument_group("HTTP")
     _http_flags(http)
     _accounting_flags(p.add_argument_group("prompt-cache accounting and cost"))
@@ -219,6 +220,21 @@ def _http_flags(http: argparse._ArgumentGroup) -> None:
                            "boards")
 
 
+def _grammar_flags(grammar: argparse._ArgumentGroup) -> None:
+    grammar.add_argument("--grammar-int64-integers", action=argparse.BooleanOptionalAction,
+                         default=EngineConfig.grammar_int64_integers,
+                         help="give JSON-schema integers without a range int64's range, so a "
+                              "degenerate run of digits ends")
+    grammar.add_argument("--grammar-max-number-chars", type=int, metavar="CHARS",
+                         default=EngineConfig.grammar_max_number_chars,
+                         help="longest JSON number text under a JSON constraint (24 holds "
+                              "every float64 in shortest form); 0: unbounded")
+    grammar.add_argument("--grammar-max-whitespace-run", type=int, metavar="CHARS",
+                         default=EngineConfig.grammar_max_whitespace_run,
+                         help="longest run of whitespace any constraint lets the model write, "
+                              "unless the grammar requires more; 0: unbounded")
+
+
 def _overload_flags(http: argparse._ArgumentGroup) -> None:
     d = ServerSettings()
     http.add_argument("--max-waiting", type=int, default=d.max_waiting,
@@ -246,8 +262,9 @@ def _overload_flags(http: argparse._ArgumentGroup) -> None:
                       help="GET /health/ready: how long its 1-token generation may take")
     http.add_argument("--watchdog-stall", type=float, default=d.watchdog_stall_s,
                       metavar="SECONDS",
-                      help="an engine step running this long (once warm-up has run) logs every thread's stack and "
-                           "turns /health and /health/ready to 503 until it ends")
+                      help="an engine step running this long (once warm-up has run) logs "
+                           "every thread's stack and turns /health and /health/ready to 503 "
+                           "until it ends")
     http.add_argument("--watchdog-exit", type=float, default=d.watchdog_exit_s,
                       metavar="SECONDS",
                       help="an engine step running this long exits the process (status 71) for "
