@@ -36,7 +36,7 @@ class AdmissionLimits:
 
     max_queued_requests: int = 1024
     max_queued_tokens: int = 65536
-    max_queue_wait_s: float = 10.0  # 0: no wait bound
+    max_queue_wait_s: float = 30.0  # 0: no wait bound
     key_share: float = 0.5  # the most of each bound one API key may hold (1: no fairness)
     # Until a drain rate has been measured (warm-up measures one), the wait is estimated at it.
     prior_tokens_per_s: float = 1000.0

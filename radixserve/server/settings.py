@@ -27,7 +27,7 @@ class ServerSettings:
     # Admission (`admission`): prompt tokens waiting (less their expected cache hits), the
     # estimated queue wait, and the most of each bound that one API key may hold.
     max_queued_tokens: int = 65536
-    max_queue_wait_s: float = 10.0
+    max_queue_wait_s: float = 30.0
     queue_key_share: float = 0.5
     # A request's deadline when it sends no `x-request-timeout` header; None: none.
     request_timeout_s: float | None = None

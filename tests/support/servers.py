@@ -22,8 +22,10 @@ def running_server(tmp_path_factory: pytest.TempPathFactory, *flags: str,
     """`radixserve serve` on the default model with a small pool, 2 threads and invariant
     checks, plus `flags` (a later flag wins over a default); it must stop cleanly and log no
     serious error."""
+    # No queue-wait bound: these suites check serving, and a busy 2-core machine's measured
+    # prefill rate would refuse their concurrent requests (test_server_overload checks it).
     proc = start_server(["--kv-cache-tokens", "8192", "--num-threads", "2", "--debug-invariants",
-                         "--no-access-log", *flags],
+                         "--no-access-log", "--max-queue-wait", "0", *flags],
                         tmp_path_factory.mktemp(name) / "server.log")
     yield proc
     assert proc.stop() == 0, proc.log()
