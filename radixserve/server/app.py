@@ -36,8 +36,6 @@ from radixserve.server.openai.routes import build_openai_router
 from radixserve.server.serving import EngineService, Lifecycle
 from radixserve.server.settings import ServerSettings
 
-SNAPSHOT_TIMEOUT_S = 2.0
-
 
 def create_app(aengine: EngineFront, settings: ServerSettings | None = None,
                replicas: ReplicaView | None = None) -> FastAPI:
@@ -94,11 +92,12 @@ async def _snapshot(ctx: ServerContext) -> EngineSnapshot | None:
     if not ctx.aengine.alive:
         return None
     # Shielded: a cancelled engine call would break the engine thread (see serving._pump).
-    # Bounded: a scrape during a stalled step renders the last engine figures.
+    # Bounded by the watchdog's stall limit: a scrape during a stalled step renders the last
+    # engine figures (and admission's, which need no engine).
     call = asyncio.ensure_future(ctx.aengine.run(take_snapshot))
     call.add_done_callback(lambda done: done.cancelled() or done.exception())  # retrieved
     try:
-        return await asyncio.wait_for(asyncio.shield(call), SNAPSHOT_TIMEOUT_S)
+        return await asyncio.wait_for(asyncio.shield(call), ctx.settings.watchdog_stall_s)
     except (EngineDeadError, asyncio.TimeoutError):
         return None
 
