@@ -47,7 +47,7 @@ def server(model_path: Path, fault_file: Path, tmp_path_factory: pytest.TempPath
                          "--api-key", KEYS[1], "--watchdog-stall", str(STALL_S),
                          "--watchdog-exit", "0", "--shutdown-timeout", "60"],
                         tmp_path_factory.mktemp("server") / "server.log",
-                        env={FAULT_FILE_ENV: str(fault_file)})
+                        env={FAULT_FILE_ENV: str(fault_file)}, wait_ready=False)
     yield proc
     fault_file.unlink(missing_ok=True)
     assert proc.stop() == 0, proc.log()
