@@ -1,5 +1,6 @@
 """Runs `radixserve serve` as a child process on a free loopback port, ready when
-/health/ready says so, and reads its /metrics; for tests and benchmarks that need a real server per configuration."""
+/health/ready says so, and reads its /metrics; for tests and benchmarks that need a real
+server per configuration."""
 
 from __future__ import annotations
 
