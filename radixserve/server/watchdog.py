@@ -10,6 +10,7 @@ import logging
 import os
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable
 
@@ -20,6 +21,8 @@ logger = logging.getLogger(__name__)
 
 EXIT_ENGINE_DIED = 70  # the engine thread raised
 EXIT_ENGINE_STUCK = 71  # one step ran past the exit limit
+# After the engine died: time for the open requests' errors (503) to reach their clients.
+DEATH_GRACE_S = (0.5, 3.0)  # once none is in flight, and at most
 
 
 def thread_stacks() -> str:
@@ -54,6 +57,7 @@ class Watchdog:
         self.period_s = period_s
         self.exit_process = exit_process
         self._stopped = threading.Event()
+        self._died_at: float | None = None
         self._thread = threading.Thread(target=self._run, name="radixserve-watchdog",
                                         daemon=True)
 
@@ -70,6 +74,13 @@ class Watchdog:
 
     def check(self) -> None:
         if not self.engine_alive():
+            now = time.monotonic()
+            if self._died_at is None:
+                self._died_at = now
+            settled, longest = DEATH_GRACE_S
+            waited = now - self._died_at
+            if waited < longest and (self.lifecycle.in_flight or waited < settled):
+                return
             logger.critical("the engine thread has died (its error is logged above as 'engine "
                             "loop died'); exiting with status %d so that a supervisor restarts "
                             "the server", EXIT_ENGINE_DIED)
