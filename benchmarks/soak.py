@@ -13,7 +13,9 @@ system prompt, unique prompts, bad requests (400 expected), and streams the clie
 a random delay. Reports 5xx count, hangs (no answer within --client-timeout), the 429 share,
 refusal latency (p50/p99/max, and whether every refusal carried retry-after), p50/p99 TTFT of
 admitted requests against the unloaded figures (tenant B's too: the one not flooding), RSS over
-time with its slope over the second half, and whether the KV pool is back to idle at the end.
+time with its slope over the second half (beside the KV pool's high-water mark: pool pages
+enter RSS as the cache first fills them, which a short soak still sees), and whether the KV
+pool is back to idle at the end.
 
     python benchmarks/soak.py --minutes 3 --out results/soak.json
     python benchmarks/soak.py --minutes 60 --load 3 --server-flags="--max-queue-wait 5"
@@ -39,7 +41,13 @@ import psutil
 from radixserve.bench.textgen import WordBank
 from radixserve.model.default_model import default_model_path
 from radixserve.model.loader import load_tokenizer
-from radixserve.testing.server import ServerProcess, read_metrics, start_server, wait_idle
+from radixserve.testing.server import (
+    ServerProcess,
+    parse_metrics,
+    read_metrics,
+    start_server,
+    wait_idle,
+)
 
 MODEL = "SmolLM2-135M-Instruct"
 KEYS = ("soak-tenant-a", "soak-tenant-b")
@@ -164,7 +172,8 @@ async def capacity(http: httpx.AsyncClient, traffic: Traffic, rng: random.Random
 
 async def soak(http: httpx.AsyncClient, traffic: Traffic, rng: random.Random, rate: float,
                seconds: float, flood_share: float, timeout_s: float, pid: int,
-               rss: list[tuple[float, float]]) -> list[Outcome]:
+               rss: list[tuple[float, float]], pool_used: list[tuple[float, float]]
+               ) -> list[Outcome]:
     tasks: list[asyncio.Task[Outcome]] = []
     start = time.monotonic()
     end = start + seconds
@@ -173,6 +182,11 @@ async def soak(http: httpx.AsyncClient, traffic: Traffic, rng: random.Random, ra
     while (now := time.monotonic()) < end:
         if now >= next_sample:
             rss.append((now - start, process.memory_info().rss / 2**20))
+            # KV pool pages are touched (enter RSS) as the cache first fills them: the pool's
+            # high-water mark says how much of an RSS rise is that rather than a leak.
+            metrics = parse_metrics((await http.get("/metrics")).text)
+            used = metrics["kv_cache_capacity_tokens"] - metrics["kv_cache_tokens{state=free}"]
+            pool_used.append((now - start, max(used, pool_used[-1][1] if pool_used else 0.0)))
             next_sample = now + 5.0
         tenant = 0 if rng.random() < flood_share else 1
         tasks.append(_one(traffic, rng, tenant, http, timeout_s))
@@ -256,14 +270,19 @@ async def run(args: argparse.Namespace, proc: ServerProcess) -> dict[str, Any]:
         print(f"soak: {args.minutes:g} min at {rate:.2f} req/s ({args.load:g} x {rps:.2f})",
               file=sys.stderr)
         rss: list[tuple[float, float]] = []
+        pool_used: list[tuple[float, float]] = []
         outcomes = await soak(http, traffic, rng, rate, args.minutes * 60, args.flood_share,
-                              args.client_timeout, proc.process.pid, rss)
+                              args.client_timeout, proc.process.pid, rss, pool_used)
     metrics = wait_idle(proc.base_url, timeout_s=120)
     pool = {k: v for k, v in read_metrics(proc.base_url).items() if k.startswith("kv_cache_tokens")}
     summary = summarize(base, outcomes, rss, rps, rate, pool)
     summary["pool_idle"] = (metrics["kv_cache_tokens{state=private}"] == 0
                             and metrics["kv_cache_tokens{state=protected}"] == 0)
     summary["rss_series_mb"] = rss
+    summary["pool_high_water_tokens"] = {"first": pool_used[0][1] if pool_used else None,
+                                         "second_half_start": (pool_used[len(pool_used) // 2][1]
+                                                               if pool_used else None),
+                                         "last": pool_used[-1][1] if pool_used else None}
     return summary
 
 
