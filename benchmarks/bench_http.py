@@ -118,7 +118,10 @@ def summarise(mode: str, concurrency: int, samples: list[Sample], wall: float,
 
 
 def bench_mode(mode: str, args: argparse.Namespace, bank: WordBank, log_dir: Path) -> list[dict[str, Any]]:
-    serve_args = ["--prefix-cache", mode, "--no-access-log", *args.serve_arg]
+    # Admission off: a closed loop at a fixed concurrency measures speed, not refusals
+    # (benchmarks/soak.py measures those); --serve-arg flags come later and win.
+    serve_args = ["--prefix-cache", mode, "--no-access-log", "--max-queue-wait", "0",
+                  "--max-queued-tokens", str(2**30), *args.serve_arg]
     if args.model:
         serve_args += ["--model", args.model, "--served-model-name", "bench"]
     if args.kv_cache_tokens:

@@ -86,6 +86,11 @@ class EngineConfig:
     kv_events_block_size: int = 16
     kv_events_topic: str = ""
     kv_events_buffer_steps: int = 10_000
+    # Structured output's value bounds (`engine.grammar_bounds`): integers without a range get
+    # int64's; a JSON number's text and a whitespace run are capped (0: unbounded).
+    grammar_int64_integers: bool = True
+    grammar_max_number_chars: int = 24
+    grammar_max_whitespace_run: int = 64
     num_threads: int | None = None  # torch CPU threads; None keeps torch's default
     seed: int = 0  # seeds sampling for requests that carry no seed of their own
     show_progress: bool = True
@@ -145,6 +150,8 @@ class EngineConfig:
              f"kv_events_block_size must be a multiple of page_size ({self.page_size}), "
              f"got {self.kv_events_block_size}")
         need(self.kv_events_buffer_steps >= 1, "kv_events_buffer_steps must be >= 1")
+        need(self.grammar_max_number_chars >= 0 and self.grammar_max_whitespace_run >= 0,
+             "grammar_max_number_chars and grammar_max_whitespace_run must be >= 0")
         need(0 <= self.max_pinned_fraction <= 1, "max_pinned_fraction must be in [0, 1]")
         need(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
              f"device must be auto, cpu or cuda[:N], got {self.device!r}")

@@ -2,8 +2,10 @@
 engine config, and starts either the single server (the model loaded here, the engine on its
 own thread, the app under uvicorn) or replicas on Ray Serve (`replicas.launch`).
 
-SIGTERM (or Ctrl-C) drains: new requests are refused, in-flight ones get --shutdown-timeout
-seconds to finish and are then aborted, the engine stops, and the process exits 0.
+SIGTERM (or Ctrl-C) drains: readiness turns 503 and new requests get 503 + Retry-After while the
+server keeps listening, in-flight ones get --shutdown-timeout seconds to finish and are then
+aborted (streams end with an error event), the engine stops, the disk tier flushes, and the
+process exits 0. A watchdog (`server.watchdog`) exits non-zero when the engine dies or sticks.
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     _events_flags(p.add_argument_group("KV cache events (for an external router: llm-d, Dynamo)"))
     add_replica_flags(p.add_argument_group(
         "replicas on Ray Serve (off unless --replicas is given; needs radixserve[ray])"))
+    _grammar_flags(p.add_argument_group("structured output value bounds"))
     http = p.add_argument_group("HTTP")
     _http_flags(http)
     _accounting_flags(p.add_argument_group("prompt-cache accounting and cost"))
@@ -204,9 +207,7 @@ def _http_flags(http: argparse._ArgumentGroup) -> None:
     http.add_argument("--isolate-tenants", action="store_true",
                       help="give each API key its own prefix-cache namespace, whatever "
                            "cache_salt a client sends (needs --api-key)")
-    http.add_argument("--max-waiting", type=int, default=1024,
-                      help="requests accepted but without a first token yet; beyond it, 429 "
-                           "with Retry-After")
+    _overload_flags(http)
     http.add_argument("--max-request-bytes", type=int, default=32 * 2**20,
                       help="largest request body; larger ones get 413")
     http.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -219,6 +220,57 @@ def _http_flags(http: argparse._ArgumentGroup) -> None:
                       help="vllm: /metrics also exports `vllm:`-named twins (vLLM 0.11's names "
                            "and labels) of the metrics vLLM has, for aiperf and vLLM's Grafana "
                            "boards")
+
+
+def _grammar_flags(grammar: argparse._ArgumentGroup) -> None:
+    grammar.add_argument("--grammar-int64-integers", action=argparse.BooleanOptionalAction,
+                         default=EngineConfig.grammar_int64_integers,
+                         help="give JSON-schema integers without a range int64's range, so a "
+                              "degenerate run of digits ends")
+    grammar.add_argument("--grammar-max-number-chars", type=int, metavar="CHARS",
+                         default=EngineConfig.grammar_max_number_chars,
+                         help="longest JSON number text under a JSON constraint (24 holds "
+                              "every float64 in shortest form); 0: unbounded")
+    grammar.add_argument("--grammar-max-whitespace-run", type=int, metavar="CHARS",
+                         default=EngineConfig.grammar_max_whitespace_run,
+                         help="longest run of whitespace any constraint lets the model write, "
+                              "unless the grammar requires more; 0: unbounded")
+
+
+def _overload_flags(http: argparse._ArgumentGroup) -> None:
+    d = ServerSettings()
+    http.add_argument("--max-waiting", type=int, default=d.max_waiting,
+                      help="requests accepted but without a first token yet; beyond it, 429 "
+                           "(Anthropic routes: 529) with retry-after and retry-after-ms")
+    http.add_argument("--max-queued-tokens", type=int, default=d.max_queued_tokens,
+                      help="prompt tokens waiting for their prefill (less their expected cache "
+                           "hits, estimated from the body's length until tokenized); beyond it, "
+                           "429/529")
+    http.add_argument("--max-queue-wait", type=float, default=d.max_queue_wait_s,
+                      metavar="SECONDS",
+                      help="the longest estimated queue wait (queued uncached prompt tokens over "
+                           "the measured prefill rate) a new request may face; beyond it, "
+                           "429/529; 0: no bound")
+    http.add_argument("--queue-key-share", type=float, default=d.queue_key_share,
+                      metavar="FRACTION",
+                      help="the most of each queue bound one API key may hold, so that a key "
+                           "flooding the server leaves room for the others (1: no fairness; "
+                           "requests without a key share one bound whole)")
+    http.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
+                      help="abort a request (504, its KV released) this long after it arrived, "
+                           "unless it sends its own x-request-timeout header; unset: never")
+    http.add_argument("--ready-timeout", type=float, default=d.ready_timeout_s,
+                      metavar="SECONDS",
+                      help="GET /health/ready: how long its 1-token generation may take")
+    http.add_argument("--watchdog-stall", type=float, default=d.watchdog_stall_s,
+                      metavar="SECONDS",
+                      help="an engine step running this long (once warm-up has run) logs "
+                           "every thread's stack and turns /health and /health/ready to 503 "
+                           "until it ends")
+    http.add_argument("--watchdog-exit", type=float, default=d.watchdog_exit_s,
+                      metavar="SECONDS",
+                      help="an engine step running this long exits the process (status 71) for "
+                           "a supervisor to restart; 0: never")
 
 
 def _accounting_flags(caching: argparse._ArgumentGroup) -> None:
@@ -273,7 +325,10 @@ def settings_from_flags(args: argparse.Namespace) -> ServerSettings:
         ServerSettings, args,
         served_model_names=tuple(args.served_model_name or [args.model or DEFAULT_MODEL_NAME]),
         api_keys=tuple(keys), shutdown_timeout_s=args.shutdown_timeout, prices_path=args.prices,
-        responses_dir=_responses_dir(args))
+        responses_dir=_responses_dir(args),
+        max_queue_wait_s=args.max_queue_wait, request_timeout_s=args.request_timeout,
+        ready_timeout_s=args.ready_timeout, watchdog_stall_s=args.watchdog_stall,
+        watchdog_exit_s=args.watchdog_exit)
 
 
 def engine_config_from_flags(args: argparse.Namespace) -> EngineConfig:
@@ -300,6 +355,7 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     # Heavy imports here, so `radixserve --help` stays fast.
     from radixserve.server.app import create_app
+    from radixserve.server.watchdog import Watchdog
 
     try:
         settings, aengine = _load(args)
@@ -314,7 +370,13 @@ def serve(args: argparse.Namespace) -> int:
         "http://%s:%d", engine.model_path, ", ".join(settings.served_model_names),
         engine.pool.num_slots, config.page_size, str(engine.dtype).removeprefix("torch."),
         config.prefix_cache, args.host, args.port)
+    watchdog = Watchdog(aengine.heartbeat, app.state.radixserve.lifecycle, lambda: aengine.alive,
+                        lambda: app.state.readiness.warmed, settings.watchdog_stall_s,
+                        settings.watchdog_exit_s)
+    watchdog.start()
+
     def stop() -> None:
+        watchdog.stop()  # the engine stops on purpose now
         aengine.shutdown()
         engine.close()  # the disk tier's queued writes
 
@@ -367,12 +429,18 @@ def run_app(app: FastAPI, args: argparse.Namespace, settings: ServerSettings,
     lifecycle = app.state.radixserve.lifecycle
 
     class DrainingServer(uvicorn.Server):
+        """Keeps listening while it drains, so that probes see readiness 503 and new requests
+        get 503 + Retry-After; stops once nothing is in flight (a second signal: at once)."""
+
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-            if not self.should_exit:
-                logger.info("signal %d: refusing new requests, draining in-flight ones "
-                            "(up to %.0f s)", sig, settings.shutdown_timeout_s)
-                lifecycle.begin_shutdown(settings.shutdown_timeout_s)
-            super().handle_exit(sig, frame)
+            if lifecycle.draining or not self.started:
+                super().handle_exit(sig, frame)
+                return
+            logger.info("signal %d: refusing new requests, draining %d in-flight ones (up to "
+                        "%.0f s)", sig, lifecycle.in_flight, settings.shutdown_timeout_s)
+            lifecycle.begin_shutdown(settings.shutdown_timeout_s,
+                                     on_drained=lambda: super(DrainingServer, self).handle_exit(
+                                         sig, frame))
 
     server = DrainingServer(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level,

@@ -97,7 +97,7 @@ def test_cache_namespaces() -> None:
         ServerSettings(isolate_tenants=True)
 
 
-def test_draining_app_answers_503_and_health_says_so() -> None:
+def test_draining_app_answers_503_and_readiness_says_so() -> None:
     app = create_app(IdleEngine())  # type: ignore[arg-type]
 
     async def scenario() -> list[httpx.Response]:
@@ -106,13 +106,16 @@ def test_draining_app_answers_503_and_health_says_so() -> None:
             healthy = await http.get("/health")
             app.state.radixserve.lifecycle.begin_shutdown(grace_s=30)
             refused = await http.post("/v1/chat/completions", json={"messages": []})
-            return [healthy, refused, await http.get("/health")]
+            return [healthy, refused, await http.get("/health"), await http.get("/health/ready")]
 
-    healthy, refused, draining = asyncio.run(scenario())
+    healthy, refused, live, ready = asyncio.run(scenario())
     assert healthy.status_code == 200
     assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+    assert refused.headers["retry-after-ms"] == "1000"
     assert refused.json()["error"]["code"] == "shutting_down"
-    assert draining.status_code == 503
+    # Liveness stays 200 (a restart would cut the drain short); readiness turns 503.
+    assert live.status_code == 200 and live.json()["status"] == "draining"
+    assert ready.status_code == 503 and ready.json()["status"] == "draining"
 
 
 def test_apps_keep_their_own_metrics() -> None:

@@ -30,8 +30,9 @@ WORDS = ("river stone light paper window garden music winter orange castle signa
 
 @pytest.fixture(scope="module")
 def server(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    # No queue-wait bound: every request here must be served (test_server_overload refuses).
     proc = start_server(["--kv-cache-tokens", "8192", "--num-threads", "2", "--debug-invariants",
-                         "--no-access-log"], tmp_path_factory.mktemp("server") / "server.log")
+                         "--no-access-log", "--max-queue-wait", "0"], tmp_path_factory.mktemp("server") / "server.log")
     yield proc
     assert proc.stop() == 0, proc.log()
     assert not proc.serious_errors(), proc.log()

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.engine.engine import LLMEngine
+from radixserve.engine.heartbeat import FaultInjector, Heartbeat
 from radixserve.engine.limits import EngineLimits
 from radixserve.engine.structured_output import GrammarCompiler
 from radixserve.model.tokenizer import ChatTokenizer
@@ -53,6 +54,8 @@ class AsyncEngine:
         self._inbox: queue.Queue[Callable[[], None]] = queue.Queue()
         self._streams: dict[str, _Stream] = {}
         self._stop = threading.Event()
+        self.heartbeat = Heartbeat()
+        self._faults = FaultInjector.from_env()
         built: concurrent.futures.Future[LLMEngine] = concurrent.futures.Future()
         self._thread = threading.Thread(target=self._run, args=(build, built),
                                         name="radixserve-engine", daemon=True)
@@ -204,9 +207,14 @@ class AsyncEngine:
     def _loop(self) -> None:
         try:
             while not self._stop.is_set():
+                self.heartbeat.beat()
                 self._drain_inbox(block=not self.engine.has_unfinished_requests())
                 if self.engine.has_unfinished_requests():
-                    self._dispatch(self.engine.step())
+                    self.heartbeat.step_begun()
+                    self._faults.before_step()
+                    outputs = self.engine.step()
+                    self.heartbeat.step_ended()
+                    self._dispatch(outputs)
         except BaseException as exc:  # pragma: no cover - a bug; fail every open stream
             logger.exception("engine loop died")
             for request_id in list(self._streams):

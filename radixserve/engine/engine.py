@@ -19,6 +19,7 @@ import radixserve
 from radixserve.cache import RadixCache, make_prefix_cache
 from radixserve.config import EngineConfig
 from radixserve.engine.detokenizer import Detokenizer
+from radixserve.engine.grammar_bounds import ValueBounds
 from radixserve.engine.kv_offload import KVOffload
 from radixserve.engine.kv_pool import KVPool
 from radixserve.engine.limits import EngineLimits
@@ -91,7 +92,9 @@ class LLMEngine:
         generator = torch.Generator().manual_seed(config.seed)
         self.runner = ModelRunner(self.model, self.pool, attention, self.device, generator)
         self.detokenizer = Detokenizer(self.tokenizer, self.max_model_len)
-        self.grammars = GrammarCompiler(self.tokenizer)
+        self.grammars = GrammarCompiler(self.tokenizer, bounds=ValueBounds(
+            config.grammar_int64_integers, config.grammar_max_number_chars,
+            config.grammar_max_whitespace_run))
         self.postprocessor = Postprocessor(self.scheduler, self.detokenizer, clock)
         self.groups: dict[str, list[Request]] = {}
         # Cumulative seconds: scheduling and bookkeeping vs the model with sampling.

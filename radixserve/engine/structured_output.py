@@ -18,6 +18,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from radixserve.engine.grammar_bounds import (
+    TokenClasses,
+    ValueBounds,
+    ValueTracker,
+    bound_integers,
+)
 from radixserve.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -35,7 +41,7 @@ def grammar_engine_installed() -> bool:
     return True
 
 
-def _grammar_text(spec: StructuredOutputsParams) -> str:
+def _grammar_text(spec: StructuredOutputsParams, bounds: ValueBounds) -> str:
     """llguidance's grammar for a constraint. JSON is compact (no whitespace between tokens
     beyond what the schema's strings hold): a small model wastes tokens on free whitespace."""
     from llguidance import LLMatcher
@@ -43,6 +49,12 @@ def _grammar_text(spec: StructuredOutputsParams) -> str:
 
     if spec.json is not None or spec.json_object:
         schema: Any = spec.json if spec.json is not None else {"type": "object"}
+        if bounds.int64_integers:
+            try:
+                schema = bound_integers(json.loads(schema) if isinstance(schema, str)
+                                        else schema)
+            except ValueError as exc:
+                raise ValueError(f"the JSON schema is not valid JSON: {exc}") from None
         try:
             return LLMatcher.grammar_from_json_schema(
                 schema, defaults={"whitespace_flexible": False})
@@ -63,17 +75,24 @@ def _grammar_text(spec: StructuredOutputsParams) -> str:
 class GrammarMatcher:
     """One request's position in its grammar: the next token's mask, and the tokens taken."""
 
-    def __init__(self, matcher: Any, vocab_size: int) -> None:
+    def __init__(self, matcher: Any, vocab_size: int, values: ValueTracker | None = None
+                 ) -> None:
         self._matcher = matcher
         self.words = (vocab_size + 31) // 32
+        self._values = values  # the value bounds (`grammar_bounds`); None: unbounded
 
     def fill_mask(self, out: torch.Tensor) -> None:
         """Writes the allowed next tokens into `out` (int32 [words], contiguous, CPU)."""
         self._matcher.unsafe_compute_mask_ptr(out.data_ptr(), out.numel() * 4)
+        if self._values is not None:
+            self._values.restrict(out)
 
     def accept(self, token: int) -> bool:
         """Follows a sampled token; False when the grammar does not allow it."""
-        return bool(self._matcher.consume_token(token))
+        accepted = bool(self._matcher.consume_token(token))
+        if accepted and self._values is not None:
+            self._values.accept(token)
+        return accepted
 
     def accepts_whole(self, tokens: list[int]) -> bool:
         """Whether `tokens` are a complete output of the grammar (the matcher follows them)."""
@@ -94,9 +113,12 @@ class GrammarCompiler:
     an agent's schema or tool list is the same every turn, so it compiles once. Thread-safe
     (servers validate on their own threads, the engine creates matchers on its own)."""
 
-    def __init__(self, tokenizer: ChatTokenizer, capacity: int = 128) -> None:
+    def __init__(self, tokenizer: ChatTokenizer, capacity: int = 128,
+                 bounds: ValueBounds | None = None) -> None:
         self._tokenizer = tokenizer
         self._capacity = capacity
+        self.bounds = bounds or ValueBounds()
+        self._classes: TokenClasses | None = None
         self._ll_tokenizer: Any = None
         self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._lock = threading.Lock()
@@ -124,7 +146,8 @@ class GrammarCompiler:
             if matcher is not None:
                 self._compiled.move_to_end(key)
                 return matcher
-            matcher = LLMatcher(self._tokenizer_for_engine(), _grammar_text(spec), log_level=0)
+            matcher = LLMatcher(self._tokenizer_for_engine(), _grammar_text(spec, self.bounds),
+                                log_level=0)
             if matcher.is_error():
                 raise ValueError(f"the {key[0]} constraint cannot be compiled: "
                                  f"{matcher.get_error().strip()}")
@@ -150,7 +173,16 @@ class GrammarCompiler:
         template = self._template(spec)
         with self._lock:
             copy = template.deep_copy()
-        return GrammarMatcher(copy, self._tokenizer.vocab_size)
+            values = None
+            if self.bounds.max_number_chars or self.bounds.max_whitespace_run:
+                if self._classes is None:  # once per tokenizer: every token's text
+                    engine_tokenizer = self._tokenizer_for_engine()
+                    self._classes = TokenClasses.build(
+                        lambda i: engine_tokenizer.decode_bytes([i]).decode("utf-8", "replace"),
+                        self._tokenizer.vocab_size)
+                is_json = spec.json is not None or spec.json_object
+                values = ValueTracker(self._classes, self.bounds, json=is_json)
+        return GrammarMatcher(copy, self._tokenizer.vocab_size, values)
 
 
 def fill_masks(matchers: list[GrammarMatcher]) -> torch.Tensor:

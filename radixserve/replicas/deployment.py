@@ -16,8 +16,11 @@ from radixserve.engine.engine import LLMEngine
 from radixserve.outputs import RequestOutput
 from radixserve.replicas.job import ReplicaFacts, ReplicaJob
 from radixserve.server.observability.metrics import take_snapshot
+from radixserve.server.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
+
+STUCK_STEP_S = ServerSettings().watchdog_exit_s
 
 
 class EngineReplica:
@@ -61,9 +64,14 @@ class EngineReplica:
                 "waiting": snapshot.num_waiting}
 
     def check_health(self) -> None:
-        """Serve restarts a replica whose check fails: a dead engine thread cannot serve."""
+        """Serve restarts a replica whose check fails: a dead engine thread cannot serve, and
+        nor can one stuck in a step (the single server's watchdog limit)."""
         if not self.aengine.alive:
             raise RuntimeError(f"replica {self.replica_id}: the engine thread has stopped")
+        running = self.aengine.heartbeat.step_running_s()
+        if running > STUCK_STEP_S:
+            raise RuntimeError(f"replica {self.replica_id}: an engine step has run for "
+                               f"{running:.0f} s")
 
     # ----- called by the ingress -----
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Literal
 
@@ -132,6 +133,10 @@ class JobAccount:
         return None if self.usage is None else request_cost(self.usage, 0, self.price)
 
 
+# Vendor-emulation caches kept, one per (profile, namespace).
+MAX_VENDOR_NAMESPACES = 10_000
+
+
 class CacheLedger:
     """Per-app accounting state: the mode, the price table and one vendor emulation per
     (profile, tenant namespace), since vendor caches are per model and per organisation."""
@@ -145,7 +150,8 @@ class CacheLedger:
         self.prices: PriceTable = (load_prices(settings.prices_path) if settings.prices_path
                                    else default_prices())
         self.openai_model = settings.model_name
-        self._caches: dict[tuple[str, CacheNamespace], VendorCache] = {}
+        # Least recently used first; bounded, as clients choose namespaces (cache_salt).
+        self._caches: OrderedDict[tuple[str, CacheNamespace], VendorCache] = OrderedDict()
 
     def profile(self, model: str, vendor: Api) -> ModelProfile:
         base = profile_for_model(model, vendor)
@@ -159,9 +165,12 @@ class CacheLedger:
 
     def _vendor_cache(self, profile: ModelProfile, namespace: CacheNamespace) -> VendorCache:
         key = (profile.name, namespace)
-        cache = self._caches.get(key)
-        if cache is None:
-            cache = self._caches[key] = VendorCache(profile, clock=self.clock)
+        cache = self._caches.pop(key, None) or VendorCache(profile, clock=self.clock)
+        self._caches[key] = cache
+        if len(self._caches) > MAX_VENDOR_NAMESPACES:
+            # Forgetting the least recently used namespace bills its next request as the
+            # vendor would after its entries expired: as a miss.
+            self._caches.popitem(last=False)
         return cache
 
     def anthropic(self, model: str, layout: PromptLayout, namespace: CacheNamespace,

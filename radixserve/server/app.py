@@ -1,5 +1,5 @@
-"""The FastAPI app: the OpenAI and Anthropic routes, /health, /metrics, error handlers and
-drain state.
+"""The FastAPI app: the OpenAI and Anthropic routes, /health (liveness), /health/ready
+(readiness, `health`), /metrics, error handlers and drain state.
 
 `create_app(aengine, settings)` builds everything per app (metrics registry, submission
 service, drain state), so tests can make several; other routers mount onto the app it returns.
@@ -16,7 +16,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
@@ -27,6 +27,7 @@ from radixserve.server.anthropic.routes import install_anthropic_api
 from radixserve.server.context import ReplicaView, ServerContext, context_of
 from radixserve.server.errors import install_error_handlers
 from radixserve.server.front import EngineFront
+from radixserve.server.health import Readiness, liveness, readiness
 from radixserve.server.observability.dashboard import install_dashboard
 from radixserve.server.observability.metrics import EngineSnapshot, ServerMetrics, take_snapshot
 from radixserve.server.observability.stats_routes import install_cache_stats
@@ -55,6 +56,7 @@ def create_app(aengine: EngineFront, settings: ServerSettings | None = None,
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         lifecycle.attach()
+        warm_up = asyncio.ensure_future(app.state.readiness.warm_up(ctx))
         if replicas is None:
             async with stats.sampling(aengine):  # the pool series of /v1/cache/stats
                 yield
@@ -63,6 +65,7 @@ def create_app(aengine: EngineFront, settings: ServerSettings | None = None,
         # uvicorn has drained the connections by now; wait for the engine to apply their
         # aborts before the loop closes under it.
         lifecycle.draining = True
+        warm_up.cancel()
         await service.settle()
 
     app = FastAPI(
@@ -71,13 +74,15 @@ def create_app(aengine: EngineFront, settings: ServerSettings | None = None,
         lifespan=lifespan,
     )
     app.state.radixserve = ctx
+    app.state.readiness = Readiness()
     install_error_handlers(app)
     app.include_router(build_openai_router())
     install_anthropic_api(app, ledger, clock, settings.enable_clock_control)
     app.state.responses = open_store(ctx)  # the Responses API's stored responses
     install_dashboard(app)
     stats = install_cache_stats(app, ctx)
-    for path, endpoint in (("/health", health), ("/metrics", metrics_text)):
+    for path, endpoint in (("/health", liveness), ("/health/ready", readiness),
+                           ("/metrics", metrics_text)):
         app.add_api_route(path, endpoint, methods=["GET"], tags=["ops"])
         # Probes (aiperf, load balancers) send HEAD; the server drops the body.
         app.add_api_route(path, endpoint, methods=["HEAD"], include_in_schema=False)
@@ -86,24 +91,17 @@ def create_app(aengine: EngineFront, settings: ServerSettings | None = None,
     return app
 
 
-async def health(request: Request) -> Response:
-    """200 while serving; 503 while draining or once the engine has stopped. No auth."""
-    ctx = context_of(request)
-    if ctx.lifecycle.draining:
-        return JSONResponse({"status": "draining"}, status_code=503)
-    if not ctx.aengine.alive:
-        return JSONResponse({"status": "engine stopped"}, status_code=503)
-    return JSONResponse({"status": "ok"})
-
-
 async def _snapshot(ctx: ServerContext) -> EngineSnapshot | None:
     if not ctx.aengine.alive:
         return None
     # Shielded: a cancelled engine call would break the engine thread (see serving._pump).
+    # Bounded by the watchdog's stall limit: a scrape during a stalled step renders the last
+    # engine figures (and admission's, which need no engine).
     call = asyncio.ensure_future(ctx.aengine.run(take_snapshot))
+    call.add_done_callback(lambda done: done.cancelled() or done.exception())  # retrieved
     try:
-        return await asyncio.shield(call)
-    except EngineDeadError:
+        return await asyncio.wait_for(asyncio.shield(call), ctx.settings.watchdog_stall_s)
+    except (EngineDeadError, asyncio.TimeoutError):
         return None
 
 

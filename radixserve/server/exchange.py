@@ -8,6 +8,7 @@ What differs between the APIs (parsing the body, the response body, the stream's
 
 from __future__ import annotations
 
+import hashlib
 import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
@@ -19,10 +20,14 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from radixserve.outputs import CompletionOutput, RequestOutput
+from radixserve.server.auth import presented_key
 from radixserve.server.context import ServerContext, context_of
-from radixserve.server.errors import APIError
+from radixserve.server.errors import APIError, bad_request
 from radixserve.server.serving import Job
 from radixserve.server.transport import SSE_HEADERS, read_body, until_disconnected
+
+# A request's own deadline in seconds (`request_timeout`), after which it is aborted (504).
+TIMEOUT_HEADER = "x-request-timeout"
 
 # (job index, the job's cumulative output so far), as `EngineService.generate` yields them.
 Outputs = AsyncGenerator[tuple[int, RequestOutput], None]
@@ -139,19 +144,28 @@ class Exchange(ABC):
 Prepare = Callable[[ServerContext, Request, bytes], Awaitable[Exchange]]
 
 
-async def handle(request: Request, prepare: Prepare) -> Response:
+async def handle(request: Request, prepare: Prepare, overloaded_status: int = 429) -> Response:
     """Serves one generation request. `prepare` parses and validates the raw body (raising
     APIError) and returns the request's `Exchange`; nothing reaches the engine before it has,
-    and before admission (429 when the waiting queue is full, 503 while draining)."""
+    and nothing is tokenized before admission (`overloaded_status`, 429 or Anthropic's 529,
+    when the queue is past a bound; 503 while draining)."""
     received = time.monotonic()
     ctx = context_of(request)
     ctx.service.check_open()
     raw = await read_body(request, ctx.settings.max_request_bytes)
-    exchange = await prepare(ctx, request, raw)
-    ctx.service.admit(exchange.num_jobs)
-    jobs = exchange.start()
+    timeout_s = request_timeout(request, ctx.settings.request_timeout_s)
+    ticket = ctx.service.enter(tenant_key(request), len(raw), overloaded_status)
+    try:
+        exchange = await prepare(ctx, request, raw)
+        jobs = exchange.start()
+    except BaseException:
+        ctx.service.admission.leave(ticket)
+        raise
+    ctx.service.admission.measured(
+        ticket, sum(len(job.prompt_ids) * job.params.n for job in jobs), len(jobs))
     outputs = ctx.service.generate(jobs, exchange.response_id, received,
-                                   replayable=not exchange.stream)
+                                   replayable=not exchange.stream, ticket=ticket,
+                                   timeout_s=timeout_s)
     if exchange.stream:
         return await _stream(request, exchange, jobs, outputs)
     connected, finals = await until_disconnected(request, _collect(outputs, len(jobs)))
@@ -161,6 +175,28 @@ async def handle(request: Request, prepare: Prepare) -> Response:
         for sample in final.outputs:
             check_sample(sample)
     return JSONResponse(exchange.response_body(finals), headers=exchange.response_headers())
+
+
+def tenant_key(request: Request) -> str:
+    """Whose share of the queue a request draws on: its API key, hashed (the raw secret is not
+    kept); '' for requests without one."""
+    key = presented_key(request)
+    return hashlib.sha256(key.encode()).hexdigest()[:16] if key else ""
+
+
+def request_timeout(request: Request, default_s: float | None) -> float | None:
+    """The request's deadline in seconds: its `x-request-timeout` header, else the server's."""
+    value = request.headers.get(TIMEOUT_HEADER)
+    if value is None:
+        return default_s
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < 1e9:
+        raise bad_request(f"The {TIMEOUT_HEADER} header must be a positive number of seconds, "
+                          f"not {value!r}.", param=TIMEOUT_HEADER)
+    return seconds
 
 
 async def _collect(outputs: Outputs, num_jobs: int) -> list[RequestOutput]:

@@ -19,6 +19,14 @@ from typing import Protocol
 from radixserve.engine.async_engine import EngineDeadError
 from radixserve.outputs import RequestOutput
 from radixserve.sampling_params import SamplingParams
+from radixserve.server.admission import (
+    Admission,
+    AdmissionCollector,
+    AdmissionLimits,
+    Overloaded,
+    Ticket,
+    retry_headers,
+)
 from radixserve.server.auth import CacheNamespace
 from radixserve.server.errors import APIError, bad_request
 from radixserve.server.front import EngineFront
@@ -28,9 +36,9 @@ from radixserve.server.settings import ServerSettings
 logger = logging.getLogger(__name__)
 
 
-def shutting_down_error(retry_after_s: int) -> APIError:
+def shutting_down_error(retry_after_s: float) -> APIError:
     return APIError(503, "The server is shutting down; retry on another instance.",
-                    code="shutting_down", headers={"retry-after": str(retry_after_s)})
+                    code="shutting_down", headers=retry_headers(retry_after_s))
 
 
 class UsageObserver(Protocol):
@@ -75,19 +83,47 @@ class Lifecycle:
 
     def __init__(self) -> None:
         self.draining = False
+        self.stalled = False  # an engine step is past the watchdog's stall limit
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: set[asyncio.Queue[_Item]] = set()
+        self._drain: asyncio.Task[None] | None = None
 
     def attach(self) -> None:
         """Remembers the serving loop; called from it."""
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
 
-    def begin_shutdown(self, grace_s: float) -> None:
-        """Refuses new requests now; aborts the ones still running after `grace_s`."""
+    @property
+    def in_flight(self) -> int:
+        """Requests generating now (each HTTP request counts once)."""
+        return len(self._streams)
+
+    def begin_shutdown(self, grace_s: float, on_drained: Callable[[], None] | None = None
+                       ) -> None:
+        """Refuses new requests now; aborts the ones still running after `grace_s`. Then
+        `on_drained` (from the loop): once nothing is in flight, or shortly after the aborts."""
         self.draining = True
         if self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._loop.call_later, grace_s, self._abort_all)
+            self._loop.call_soon_threadsafe(self._start_drain, grace_s, on_drained)
+        elif on_drained is not None:
+            on_drained()
+
+    def _start_drain(self, grace_s: float, on_drained: Callable[[], None] | None) -> None:
+        if self._drain is None:
+            self._drain = asyncio.ensure_future(self._drained(grace_s, on_drained))
+
+    async def _drained(self, grace_s: float, on_drained: Callable[[], None] | None) -> None:
+        deadline = time.monotonic() + grace_s
+        while self._streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self._streams:
+            self._abort_all()
+            # The aborted streams send their error events and close.
+            settle = time.monotonic() + 5.0
+            while self._streams and time.monotonic() < settle:
+                await asyncio.sleep(0.05)
+        if on_drained is not None:
+            on_drained()
 
     def _abort_all(self) -> None:
         if self._streams:
@@ -100,6 +136,24 @@ class Lifecycle:
 
     def unregister(self, stream: asyncio.Queue[_Item]) -> None:
         self._streams.discard(stream)
+
+
+async def _next(stream: asyncio.Queue[_Item], deadline: float | None,
+                timeout_s: float | None) -> _Item:
+    """The stream's next item; 504 once `deadline` (monotonic) has passed."""
+    if deadline is None:
+        return await stream.get()
+    try:
+        return await asyncio.wait_for(stream.get(), max(deadline - time.monotonic(), 0.0))
+    except asyncio.TimeoutError:
+        raise deadline_error(timeout_s or 0.0) from None
+
+
+def deadline_error(timeout_s: float) -> APIError:
+    # Not retried by the SDKs: the client's own deadline has passed.
+    return APIError(504, f"The request did not finish within its timeout ({timeout_s:g} s); it "
+                         "was aborted.", code="request_timeout",
+                    headers={"x-should-retry": "false"})
 
 
 class ShuttingDown(Exception):
@@ -168,8 +222,10 @@ class EngineService:
         self.settings = settings
         self.metrics = metrics
         self.lifecycle = lifecycle
-        # Accepted jobs without a first token yet: the waiting queue as clients feel it.
-        self.num_queued = 0
+        # Accepted requests without a first token yet: the waiting queue as clients feel it.
+        self.admission = Admission(AdmissionLimits.of(settings))
+        metrics.registry.register(AdmissionCollector(self.admission, settings.model_name))
+        self.last_output_at = 0.0  # monotonic time of the latest output to any client
         # Accounting for jobs that bring none (the OpenAI routes); set by the app.
         self.default_usage: Callable[[Job], UsageObserver] | None = None
         self.on_job_end: Callable[[JobEnd], None] | None = None  # set by the app: stats
@@ -184,23 +240,24 @@ class EngineService:
             raise APIError(503, "The engine has stopped; this server cannot generate.",
                            code="engine_stopped")
 
-    def admit(self, num_jobs: int) -> None:
-        """Raises 429 (with Retry-After) when the waiting queue is full, 503 while draining."""
+    def enter(self, key: str, body_bytes: int, overloaded_status: int = 429) -> Ticket:
+        """The request's place in the queue (`admission`), judged on its body's length; raises
+        Overloaded (429, or `overloaded_status`) past a bound, 503 while draining."""
         self.check_open()
-        if self.num_queued + num_jobs > self.settings.max_waiting:
+        try:
+            return self.admission.enter(key, body_bytes, overloaded_status)
+        except Overloaded:
             self.metrics.request_rejected("queue_full")
-            raise APIError(
-                429, f"The server is at capacity ({self.num_queued} requests waiting, limit "
-                f"{self.settings.max_waiting}); retry after {self.settings.retry_after_s} s.",
-                code="rate_limit_exceeded",
-                headers={"retry-after": str(self.settings.retry_after_s)})
+            raise
 
     async def generate(
         self, jobs: list[Job], request_id: str, received_at: float, replayable: bool = False,
+        ticket: Ticket | None = None, timeout_s: float | None = None,
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Streams (job index, cumulative output) until every job finishes.
 
-        Call `admit` first. `replayable`: the caller keeps only each job's final output (a
+        `ticket` (from `enter`) leaves the queue as the jobs start. `timeout_s`: the request's
+        deadline from `received_at`, after which its jobs are aborted (504). `replayable`: the caller keeps only each job's final output (a
         front over replicas may then rerun a job whose replica died, see `EngineFront`). Closing the iterator early (client gone) aborts every job; engine
         errors surface as APIError (400 for a prompt the engine refuses, 503 if it stopped).
         """
@@ -213,12 +270,12 @@ class EngineService:
         pumps = [asyncio.create_task(self._pump(i, job, rid, stream, replayable))
                  for i, (job, rid) in enumerate(zip(jobs, ids, strict=True))]
         self.lifecycle.register(stream)
-        self.num_queued += len(jobs)
         queued = [True] * len(jobs)
         remaining = len(jobs)
+        deadline = None if timeout_s is None else received_at + timeout_s
         try:
             while remaining:
-                index, item = await stream.get()
+                index, item = await _next(stream, deadline, timeout_s)
                 if item is None:
                     remaining -= 1
                 elif isinstance(item, BaseException):
@@ -231,13 +288,17 @@ class EngineService:
                         item = accounting.observe(item)
                     if queued[index] and trackers[index].started:
                         queued[index] = False
-                        self.num_queued -= 1
+                        if ticket is not None:
+                            self.admission.job_started(ticket, len(jobs[index].prompt_ids),
+                                                       item.num_cached_tokens or 0)
+                    self.last_output_at = time.monotonic()
                     yield index, item
         finally:
             for pump in pumps:
                 pump.cancel()
             self.lifecycle.unregister(stream)
-            self.num_queued -= sum(queued)
+            if ticket is not None:
+                self.admission.leave(ticket)
             for tracker in trackers:
                 tracker.close()
             for job_usage in usage:

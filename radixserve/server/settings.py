@@ -24,10 +24,23 @@ class ServerSettings:
     isolate_tenants: bool = False
     # Requests accepted but without a first token yet (waiting or prefilling); more get 429.
     max_waiting: int = 1024
+    # Admission (`admission`): prompt tokens waiting (less their expected cache hits), the
+    # estimated queue wait, and the most of each bound that one API key may hold.
+    max_queued_tokens: int = 65536
+    max_queue_wait_s: float = 30.0
+    queue_key_share: float = 0.5
+    # A request's deadline when it sends no `x-request-timeout` header; None: none.
+    request_timeout_s: float | None = None
+    # Health (`health`): the readiness probe's generation timeout; the watchdog's limits on
+    # one engine step (not ready and stacks logged past the first; exit past the second, 0:
+    # never).
+    ready_timeout_s: float = 10.0
+    watchdog_stall_s: float = 60.0
+    watchdog_exit_s: float = 300.0
     max_request_bytes: int = 32 * 2**20  # larger bodies get 413
     # SIGTERM: in-flight requests get this long to finish before they are aborted.
     shutdown_timeout_s: float = 30.0
-    retry_after_s: int = 1  # the Retry-After sent with 429 and 503
+    retry_after_s: float = 1.0  # the Retry-After sent with 503 while draining
     owned_by: str = "radixserve"
     # Usage fields: "engine" reports what the prefix cache really did; "vendor" reproduces
     # the vendor's documented accounting (Anthropic rules on /v1/messages, OpenAI's on
@@ -58,6 +71,15 @@ class ServerSettings:
             raise ValueError("isolate_tenants needs at least one API key (tenants are keys)")
         if self.max_waiting < 1:
             raise ValueError("max_waiting must be >= 1")
+        if self.max_queued_tokens < 1 or self.max_queue_wait_s < 0:
+            raise ValueError("max_queued_tokens must be >= 1, max_queue_wait_s >= 0")
+        if not 0 < self.queue_key_share <= 1:
+            raise ValueError("queue_key_share must be in (0, 1]")
+        if self.request_timeout_s is not None and self.request_timeout_s <= 0:
+            raise ValueError("request_timeout_s must be > 0")
+        if self.ready_timeout_s <= 0 or self.watchdog_stall_s <= 0 or self.watchdog_exit_s < 0:
+            raise ValueError("ready_timeout_s and watchdog_stall_s must be > 0, "
+                             "watchdog_exit_s >= 0")
         if self.max_request_bytes < 1024:
             raise ValueError("max_request_bytes must be >= 1024")
         if self.shutdown_timeout_s < 0:

@@ -1,5 +1,6 @@
-"""Runs `radixserve serve` as a child process on a free loopback port, ready when /health says
-so, and reads its /metrics; for tests and benchmarks that need a real server per configuration."""
+"""Runs `radixserve serve` as a child process on a free loopback port, ready when
+/health/ready says so, and reads its /metrics; for tests and benchmarks that need a real
+server per configuration."""
 
 from __future__ import annotations
 
@@ -58,10 +59,11 @@ class ServerProcess:
 
 def start_server(
     args: list[str], log_path: Path, startup_timeout_s: float = 300.0,
-    env: dict[str, str] | None = None,
+    env: dict[str, str] | None = None, wait_ready: bool = True,
 ) -> ServerProcess:
-    """Starts `python -m radixserve.cli serve --port <free> ARGS`; raises if it is not healthy
-    within `startup_timeout_s` (the log is in the message)."""
+    """Starts `python -m radixserve.cli serve --port <free> ARGS`; raises if it is not ready
+    (/health/ready: warm-up done) within `startup_timeout_s` (the log is in the message).
+    `wait_ready=False` returns once it is live (/health), while it may still be warming up."""
     port = free_port()
     command = [sys.executable, "-m", "radixserve.cli", "serve", "--host", "127.0.0.1",
                "--port", str(port), *args]
@@ -75,7 +77,8 @@ def start_server(
         if process.poll() is not None:
             raise RuntimeError(f"the server exited with {process.returncode}:\n{server.log()}")
         try:
-            if httpx.get(server.base_url + "/health", timeout=2.0, trust_env=False).is_success:
+            route = "/health/ready" if wait_ready else "/health"
+            if httpx.get(server.base_url + route, timeout=2.0, trust_env=False).is_success:
                 return server
         except httpx.HTTPError:
             pass

@@ -23,10 +23,12 @@ def running_server(tmp_path_factory: pytest.TempPathFactory, *flags: str,
     checks and its own Responses store, plus `flags` (a later flag wins over a default); it
     must stop cleanly and log no serious error."""
     directory = tmp_path_factory.mktemp(name)
-    # A Responses store of its own, not the one in the user's cache home.
+    # A Responses store of its own, not the one in the user's cache home. No queue-wait bound:
+    # these suites check serving, and a busy 2-core machine's measured prefill rate would
+    # refuse their concurrent requests (test_server_overload checks it).
     proc = start_server(["--kv-cache-tokens", "8192", "--num-threads", "2", "--debug-invariants",
                          "--no-access-log", "--responses-dir", str(directory / "responses"),
-                         *flags],
+                         "--max-queue-wait", "0", *flags],
                         directory / "server.log")
     yield proc
     assert proc.stop() == 0, proc.log()

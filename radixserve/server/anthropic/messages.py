@@ -54,7 +54,7 @@ UNCACHED_COST_HEADER = "x-radixserve-uncached-cost-usd"
 
 
 async def create_message(request: Request) -> Response:
-    return await handle(request, prepare_message)
+    return await handle(request, prepare_message, overloaded_status=529)
 
 
 def _check_prewarm(body: MessagesRequest) -> None:
