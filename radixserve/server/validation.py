@@ -65,7 +65,8 @@ def completion_budget(ctx: ServerContext, requested: int | None, prompt_len: int
     context = ctx.max_model_len
     if requested is not None and prompt_len + requested > context \
             and ctx.settings.max_tokens_policy == "clamp" and prompt_len < context:
-        return context - prompt_len  # the caller reports the clamp (MAX_TOKENS_HEADER)
+        # The caller reports the clamp (MAX_TOKENS_HEADER).
+        return max(1, min(context, ctx.kv_capacity) - prompt_len)
     if prompt_len + (requested or 1) > context:
         raise _context_error(prompt_len, requested, context, param)
     if requested is not None:
