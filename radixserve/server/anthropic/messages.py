@@ -105,6 +105,15 @@ async def prepare_message(ctx: ServerContext, request: Request, raw: bytes) -> M
                             headers=headers)
 
 
+def prompt_notes(prompt: PreparedPrompt) -> tuple[str, ...]:
+    """The dashboard's lines on what the server changed in this prompt."""
+    notes = [f"{s.name} stripped from {s.path} ({n} tokens that change per request; the "
+             "cache match continues past it)" for s, n in prompt.stripped]
+    if prompt.edited is not None and prompt.edited.first_edited is not None:
+        notes.append(f"context editing rewrote the prompt from {prompt.edited.first_edited}")
+    return tuple(notes)
+
+
 def request_headers(prompt: PreparedPrompt, not_applied_items: list[str]) -> dict[str, str]:
     """What the server did to the request (or did not apply), as response headers."""
     headers = {}
@@ -168,7 +177,7 @@ class MessagesExchange(Exchange):
         self._account = self.ledger.anthropic(self.prompt.model, self.prompt.layout,
                                               self.namespace, bill_output=not self.prewarm)
         return [Job(self.prompt.token_ids, self.params, self.namespace, self.prompt.pins,
-                    self._account)]
+                    self._account, prompt_notes(self.prompt))]
 
     def response_body(self, finals: list[RequestOutput]) -> dict[str, Any]:
         sample = finals[0].outputs[0]
