@@ -27,6 +27,7 @@ pytestmark = [pytest.mark.model, pytest.mark.server]
 KEY, OTHER_KEY = "agents-key", "agents-other-key"
 MODEL = "SmolLM2-135M-Instruct"
 BETA = "context-management-2025-06-27"
+GREEDY = {"temperature": 0}  # this SDK has no temperature argument
 SHARED = "You are a careful coding agent. Follow the repository's conventions. " * 40
 TOOLS = [{"name": name, "description": f"{name} a file", "input_schema": {
     "type": "object", "properties": {"path": {"type": "string"}}}} for name in ("read", "grep")]
@@ -92,11 +93,11 @@ def test_billing_header_block_is_stripped_and_the_prefix_after_it_is_read_from_t
 
 def test_billing_header_line_leaves_a_string_system_prompt(client: anthropic.Anthropic) -> None:
     ask = [{"role": "user", "content": "Name a color."}]
-    with_header = client.messages.create(model=MODEL, max_tokens=6,
+    with_header = client.messages.create(model=MODEL, max_tokens=6, extra_body=GREEDY,
                                          system=f"{header('77e')}\n[string] {SHARED}",
                                          messages=ask)
-    without = client.messages.create(model=MODEL, max_tokens=6, system=f"[string] {SHARED}",
-                                     messages=ask)
+    without = client.messages.create(model=MODEL, max_tokens=6, extra_body=GREEDY,
+                                     system=f"[string] {SHARED}", messages=ask)
     assert total(with_header.usage) == total(without.usage)
     assert with_header.content[0].text == without.content[0].text
     assert without.usage.cache_read_input_tokens >= total(without.usage) - 20
@@ -242,7 +243,7 @@ def test_applied_edits_in_the_response_and_the_stream_and_cache_on_equals_off(
     warm = client.messages.create(model=MODEL, max_tokens=1, messages=messages, tools=TOOLS)
     before = count(client, messages[:2]).input_tokens  # up to the first cleared result
     raw = client.beta.messages.with_raw_response.create(
-        model=MODEL, max_tokens=8, messages=messages, tools=TOOLS, betas=[BETA],
+        model=MODEL, max_tokens=8, extra_body=GREEDY, messages=messages, tools=TOOLS, betas=[BETA],
         context_management=management)
     reply = raw.parse()
     [applied] = reply.context_management.applied_edits
@@ -253,12 +254,13 @@ def test_applied_edits_in_the_response_and_the_stream_and_cache_on_equals_off(
     # count_tokens adds) and no further.
     assert before - 8 <= reply.usage.cache_read_input_tokens < total(warm.usage) - 100
     cold = cold_client.beta.messages.create(
-        model=MODEL, max_tokens=8, messages=messages, tools=TOOLS, betas=[BETA],
+        model=MODEL, max_tokens=8, extra_body=GREEDY, messages=messages, tools=TOOLS, betas=[BETA],
         context_management=management)
     assert cold.usage.cache_read_input_tokens == 0
     assert cold.content[0].text == reply.content[0].text
-    with client.beta.messages.stream(model=MODEL, max_tokens=8, messages=messages, tools=TOOLS,
-                                     betas=[BETA], context_management=management) as stream:
+    with client.beta.messages.stream(model=MODEL, max_tokens=8, extra_body=GREEDY, messages=messages,
+                                     tools=TOOLS, betas=[BETA],
+                                     context_management=management) as stream:
         final = stream.get_final_message()
     assert final.context_management.applied_edits[0].cleared_tool_uses == 2
     assert final.content[0].text == reply.content[0].text

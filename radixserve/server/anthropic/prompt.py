@@ -116,9 +116,10 @@ def _prompt_length(tokenizer: ChatTokenizer, data: dict[str, Any]) -> int:
 
 
 def _prepare(tokenizer: ChatTokenizer, name: str, data: dict[str, Any],
-             stripped: list[StrippedPreamble], edits: tuple[Edit, ...]) -> PreparedPrompt:
+             stripped: list[StrippedPreamble], edits: tuple[Edit, ...] | None) -> PreparedPrompt:
+    """`edits` None: the request has no context_management (and its response says nothing)."""
     edited = None
-    if edits:
+    if edits is not None:
         edited = apply_edits(data, edits, lambda d: _prompt_length(tokenizer, d))
         data = edited.body
     try:
@@ -147,7 +148,7 @@ async def prepare_prompt(ctx: ServerContext, raw: bytes,
     _check_block_types(body)
     data, stripped = strip_preambles(json.loads(raw), "anthropic", ctx.settings.preambles)
     data = _shown_messages(data)
-    edits: tuple[Edit, ...] = ()
+    edits: tuple[Edit, ...] | None = None
     if data.get("context_management") is not None:
         thinking_on = (body.thinking or {}).get("type") in ("enabled", "adaptive")
         edits = parse_context_management(data["context_management"], thinking_on)
