@@ -1,7 +1,7 @@
 """The real Claude Code CLI (npm, pinned by the Makefile's `claude-code` target) in `-p` mode
 against a real server on the default model: two sessions that share a ~3,000-token system
-prompt. Claude Code puts a billing header, whose suffix follows the session's first message,
-at the head of `system`: with the server's strip on, the second session reads the shared
+prompt. Claude Code puts a billing header, whose suffix follows characters of the session's
+first message, at the head of `system`: with the server's strip on, the second session reads the shared
 prefix from the cache; with it off, it reads almost nothing (the trap and the fix).
 """
 
@@ -76,7 +76,9 @@ def test_a_second_session_reads_the_shared_prompt_only_with_the_strip(
     strip = request.node.callspec.params["server"] == "strip"
     claude(server, tmp_path, "Reply with the single word: ready.")
     before = len(recent(server))
-    claude(server, tmp_path, "Reply with the single word: done.")
+    # Claude Code derives the header's suffix from characters of the first message: this one
+    # differs there, as two real sessions' first messages do.
+    claude(server, tmp_path, "Greet me in one short line, please.")
     second = recent(server)[before]  # the second session's first request
     shared = shared_prefix_tokens(server)
     assert shared > 2500
