@@ -28,7 +28,9 @@ from radixserve.server.context import ServerContext, context_of
 
 logger = logging.getLogger(__name__)
 
-# The probes' own cache namespace: their prompts never meet a tenant's.
+# The probes' cache namespace, made unique per generation: their prompts never meet a
+# tenant's, and never hit each other or an earlier process's disk tier (the warm-up's timed
+# prefill must compute, and the cache's counters stay the clients').
 PROBE_NAMESPACE = "radixserve-health-probe"
 WARMUP_WORDS = 100  # the timed warm-up prompt (~300 tokens): long enough to time a prefill
 
@@ -76,8 +78,9 @@ class Readiness:
     @staticmethod
     async def _generate(ctx: ServerContext, ids: list[int]) -> None:
         params = SamplingParams(max_tokens=1, temperature=0.0)
-        outputs = ctx.aengine.generate(ids, params, f"probe-{uuid.uuid4().hex[:12]}",
-                                       namespace=PROBE_NAMESPACE)
+        nonce = uuid.uuid4().hex[:12]
+        outputs = ctx.aengine.generate(ids, params, f"probe-{nonce}",
+                                       namespace=f"{PROBE_NAMESPACE}/{nonce}")
         with contextlib.suppress(StopAsyncIteration):
             async for _ in outputs:
                 pass
