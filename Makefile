@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test test-fast install model lint bench clean browser
+.PHONY: serve test test-fast install model lint bench clean browser claude-code
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,7 +21,7 @@ model: $(STAMP)
 serve: model
 	$(PY) -m radixserve.cli serve $(ARGS)
 
-test: model browser
+test: model browser claude-code
 	$(PY) -m pytest -q $(ARGS)
 
 # The modules that need neither the default model nor a server process (markers in pyproject.toml).
@@ -40,6 +40,20 @@ browser:
 	    echo "      (apt-get install chromium to run it)"; \
 	  fi; }
 
+# The Claude Code test drives the real CLI, pinned, installed with npm into .node/ (git-ignored;
+# the package brings its own native binary). Without npm the test skips and says how to run it.
+CLAUDE_CODE_VERSION := 2.1.332
+CLAUDE := .node/node_modules/.bin/claude
+claude-code:
+	@[ -x $(CLAUDE) ] && $(CLAUDE) --version 2>/dev/null | grep -q '^$(CLAUDE_CODE_VERSION) ' || { \
+	  if command -v npm >/dev/null; then \
+	    npm install --prefix .node --no-audit --no-fund --loglevel=error \
+	      @anthropic-ai/claude-code@$(CLAUDE_CODE_VERSION) \
+	      || echo "note: installing Claude Code failed; its test will skip"; \
+	  else \
+	    echo "note: no npm; the Claude Code test will skip (install Node.js and npm to run it)"; \
+	  fi; }
+
 bench: model
 	$(PY) benchmarks/peers.py $(ARGS)
 
@@ -50,4 +64,4 @@ lint: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider tests/test_import_floors.py
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache
+	rm -rf $(VENV) *.egg-info .pytest_cache .node

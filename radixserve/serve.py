@@ -37,6 +37,7 @@ from radixserve.replicas.launch import check_single, serve_replicas
 from radixserve.server.settings import (
     CACHE_ACCOUNTING_MODES,
     DEFAULT_MODEL_NAME,
+    MAX_TOKENS_POLICIES,
     METRICS_COMPAT_MODES,
     ServerSettings,
 )
@@ -82,6 +83,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     _http_flags(http)
     _accounting_flags(p.add_argument_group("prompt-cache accounting and cost"))
     _responses_flags(p.add_argument_group("Responses API store (previous_response_id)"))
+    _agent_flags(p.add_argument_group("agent clients (Claude Code; docs/claude-code.md)"))
     http.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="log verbosity")
     http.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
                       help="log one line per HTTP request")
@@ -257,6 +259,19 @@ def _responses_dir(args: argparse.Namespace) -> str:
     return str(cache_home() / "responses")
 
 
+def _agent_flags(agents: argparse._ArgumentGroup) -> None:
+    agents.add_argument("--strip-preambles", action=argparse.BooleanOptionalAction, default=True,
+                        help="take known per-request preambles (Claude Code's "
+                             "x-anthropic-billing-header line) out of the system text before "
+                             "rendering, so the prompt after them stays cacheable")
+    agents.add_argument("--preamble-pattern", action="append", default=None, metavar="REGEX",
+                        help="also strip a first system line matching REGEX (repeatable)")
+    agents.add_argument("--max-tokens-policy", choices=MAX_TOKENS_POLICIES, default="refuse",
+                        help="a request whose prompt plus max_tokens exceeds the context: "
+                             "refuse (400, as Anthropic and vLLM do) or clamp max_tokens to "
+                             "the room left (header x-radixserve-max-tokens-clamped)")
+
+
 def _from_flags(cls: type[SettingsT], args: argparse.Namespace, **values: object) -> SettingsT:
     """`cls` with each field set from the flag of the same name, if any; `values` set the
     fields whose flags are named otherwise (or need work), and win over the flags."""
@@ -273,7 +288,8 @@ def settings_from_flags(args: argparse.Namespace) -> ServerSettings:
         ServerSettings, args,
         served_model_names=tuple(args.served_model_name or [args.model or DEFAULT_MODEL_NAME]),
         api_keys=tuple(keys), shutdown_timeout_s=args.shutdown_timeout, prices_path=args.prices,
-        responses_dir=_responses_dir(args))
+        responses_dir=_responses_dir(args),
+        preamble_patterns=tuple(args.preamble_pattern or ()))
 
 
 def engine_config_from_flags(args: argparse.Namespace) -> EngineConfig:

@@ -176,3 +176,24 @@ def test_openai_route_follows_openais_rules(server: ServerProcess, bank: WordBan
         total, first = cached(long)
         assert first == 0  # the engine may reuse, but nothing was written before
         assert cached(long) == (total, total // 128 * 128)  # whole 128-token increments
+
+
+def test_claude_codes_rotating_billing_header_is_not_prompt_to_the_vendor(
+        client: anthropic.Anthropic, bank: WordBank) -> None:
+    """The emulation assumes what Claude Code's users see at Anthropic: the header is request
+    metadata, so a new suffix neither bills its tokens nor stops the read after it."""
+    shared = {"type": "text", "text": bank.text(random.Random(12), 1200),
+              "cache_control": EPHEMERAL}
+
+    def system(suffix: str) -> list[dict[str, Any]]:
+        return [{"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1.332."
+                                         f"{suffix}; cc_entrypoint=cli;"}, shared]
+
+    first = client.messages.create(model=SONNET, max_tokens=1, system=system("0b8"),
+                                   messages=USER)
+    second = client.messages.create(model=SONNET, max_tokens=1, system=system("b81"),
+                                    messages=USER)
+    plain = client.messages.count_tokens(model=SONNET, system=[shared], messages=USER)
+    read, written, uncached = fields(second.usage)
+    assert fields(first.usage)[1] == read > 1200 and written == 0
+    assert read + uncached == plain.input_tokens

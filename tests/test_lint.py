@@ -423,3 +423,21 @@ def test_repairs_edit_the_body():
     ]
     assert fixed["messages"][0]["content"][0]["text"] == 'Hi {"a": 2, "b": 1}\n\nNow: '
     assert "tool_choice" not in fixed and [t["name"] for t in fixed["tools"]] == ["a", "z"]
+
+
+def test_claude_codes_billing_header_is_named_with_its_client_cost_and_fix(tokenizer, tmp_path):
+    shared = "You are Claude Code, a coding agent. Use the tools with care. " * 30
+    log = tmp_path / "claude_code.jsonl"
+    log.write_text("\n".join(json.dumps({"body": {
+        "model": "claude-sonnet-4-5", "max_tokens": 100,
+        "system": [{"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1.332."
+                                            f"{suffix}; cc_entrypoint=cli;"},
+                   {"type": "text", "text": shared, "cache_control": {"type": "ephemeral"}}],
+        "messages": [{"role": "user", "content": "Fix the failing test."}]}})
+        for suffix in ("0b8", "3f1", "a27")) + "\n")
+    report = lint_log(read_logs([log]), tokenizer, LintOptions())
+    finding = only(report, "client_preamble")
+    assert (finding.path, finding.requests) == ("system.0", 2)
+    assert finding.tokens_lost_per_request >= tokens(tokenizer, shared)
+    assert finding.fix.startswith("Claude Code sends this line")
+    assert "--strip-preambles" in finding.fix and "CLAUDE_CODE_ATTRIBUTION_HEADER=0" in finding.fix

@@ -1,5 +1,6 @@
 """Explains why a request stops sharing its prefix with its nearest earlier request: a date,
-an id, reordered JSON keys, a different tool list, or per-request text in front of shared text.
+an id, reordered JSON keys, a different tool list, a known client's per-request preamble
+(Claude Code's billing header), or per-request text in front of shared text.
 
 Cost: the shared tokens after the changing part, which a cache cannot reuse while that part
 sits in front of them: the rest of the block, then the later blocks both requests have, in order.
@@ -27,6 +28,7 @@ from radixserve.lint.repairs import (
 )
 from radixserve.lint.structure import Divergence, PrefixStructure
 from radixserve.provider_caching.breakpoints import check_breakpoints
+from radixserve.provider_caching.preambles import KNOWN_PREAMBLES, match_preamble
 from radixserve.provider_caching.render import canonical_json
 from radixserve.sequences import common_prefix_len
 
@@ -83,6 +85,12 @@ def _explain(corpus: Corpus, r: LintRequest, q: LintRequest, d: Divergence,
         found = Instance("tool_list", detail="same tools in another order" if same else "different tools",
                          repair=UnifyTools(fmt, all_tools[fmt]),
                          **(base | {"line_in_block": None, "path": "tools", "tier": "tools"}))
+    elif block.tier == "system" and (preamble := match_preamble(a, KNOWN_PREAMBLES)):
+        # A known client's per-request line: named, and moved whole (what a strip does).
+        end = len(a) - len(a.lstrip()) + len(a.lstrip().split("\n", 1)[0])
+        found = Instance("client_preamble", detail=_excerpt(a, 0, end), subject=preamble.client,
+                         **(base | {"char_offset": 0, "line_in_block": 1}),
+                         repair=MoveSpan(block.path, 0, end) if block.kind == "text" else None)
     else:
         kind, subject = _classify(a, start, end)
         text_block = block.kind == "text"

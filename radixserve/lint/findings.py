@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from radixserve.lint.repairs import Repair
+from radixserve.provider_caching.preambles import KNOWN_PREAMBLES
 
 Severity = Literal["error", "warning"]
 
@@ -19,6 +20,7 @@ KINDS: dict[str, str] = {
     "key_order": "JSON key order changes between requests",
     "tool_list": "tool list differs between requests",
     "per_request_content": "per-request content before shared content",
+    "client_preamble": "a client's per-request preamble before the whole prompt",
     "setting_change": "setting changed within a conversation",
     "volatile_breakpoint": "breakpoint on a block that changes every request",
     "breakpoint_error": "cache_control the vendor rejects",
@@ -115,6 +117,10 @@ _FIXES: dict[str, Callable[[Instance], str]] = {
                            "restrict use with tool_choice instead",
     "per_request_content": lambda i: f"move the per-request text at {_where(i)} after the shared "
                                      "content (into the last user message)",
+    "client_preamble": lambda i: f"{i.subject} sends this line, changed on every request, "
+                                 f"before the whole prompt ({_where(i)}): serve with radixserve, "
+                                 "which takes it out (--strip-preambles, on by default), or "
+                                 f"{_client_fix(i.subject)}",
     "setting_change": lambda i: f"keep {i.subject} fixed for the whole conversation "
                                 "(start a new conversation to change it)",
     "volatile_breakpoint": lambda i: f"add a breakpoint at the end of {i.subject}, the last "
@@ -128,6 +134,11 @@ _FIXES: dict[str, Callable[[Instance], str]] = {
     "fan_out": lambda i: "send one request first and the rest after its first token (or "
                          "pre-warm with max_tokens: 0)",
 }
+
+
+def _client_fix(client: str) -> str:
+    return next((p.client_fix for p in KNOWN_PREAMBLES if p.client == client),
+                "stop the client sending it")
 
 
 def fix_text(inst: Instance, lost: int) -> str:

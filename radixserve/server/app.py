@@ -81,9 +81,17 @@ def create_app(aengine: EngineFront, settings: ServerSettings | None = None,
         app.add_api_route(path, endpoint, methods=["GET"], tags=["ops"])
         # Probes (aiperf, load balancers) send HEAD; the server drops the body.
         app.add_api_route(path, endpoint, methods=["HEAD"], include_in_schema=False)
+    # Claude Code probes its base URL with HEAD / before its first request.
+    app.add_api_route("/", root, methods=["HEAD", "GET"], include_in_schema=False)
     _document_bodies(app, [ChatCompletionRequest, CompletionRequest, MessagesRequest,
                            CountTokensRequest, ResponsesRequest])
     return app
+
+
+async def root(request: Request) -> Response:
+    """200 with the server's name and where its API lives; no auth (a connectivity probe)."""
+    return JSONResponse({"name": "radixserve", "model": context_of(request).settings.model_name,
+                         "docs": "/docs"})
 
 
 async def health(request: Request) -> Response:

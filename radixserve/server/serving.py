@@ -53,6 +53,9 @@ class Job:
     pins: tuple[tuple[int, float], ...] = ()
     # The route's own accounting; None: the service's `default_usage`, if any.
     usage: UsageObserver | None = None
+    # What the server changed in the prompt before the engine saw it (a per-request preamble
+    # taken out, a context edit), for the dashboard's misses.
+    notes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -5,11 +5,15 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+
+from radixserve.provider_caching.preambles import Preamble, preamble_table
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 CACHE_ACCOUNTING_MODES = ("engine", "vendor")
 METRICS_COMPAT_MODES = ("vllm",)
+MAX_TOKENS_POLICIES = ("refuse", "clamp")
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,14 @@ class ServerSettings:
     responses_dir: str | None = None
     responses_ttl: float = 3600.0
     responses_max_mb: float = 1024.0
+    # Per-request preambles (provider_caching.preambles: Claude Code's billing header) are
+    # taken out of the system text before rendering; `preamble_patterns` adds the operator's
+    # own (regular expressions matched at the start of the first system text).
+    strip_preambles: bool = True
+    preamble_patterns: tuple[str, ...] = ()
+    # A request whose prompt plus max_tokens exceeds the context: "refuse" (400, as Anthropic
+    # and vLLM do) or "clamp" (max_tokens lowered to the room left, reported in a header).
+    max_tokens_policy: str = "refuse"
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
@@ -70,6 +82,20 @@ class ServerSettings:
             raise ValueError("responses_ttl and responses_max_mb must be > 0")
         if self.metrics_compat is not None and self.metrics_compat not in METRICS_COMPAT_MODES:
             raise ValueError(f"metrics_compat must be one of {METRICS_COMPAT_MODES}")
+        if self.max_tokens_policy not in MAX_TOKENS_POLICIES:
+            raise ValueError(f"max_tokens_policy must be one of {MAX_TOKENS_POLICIES}")
+        if self.cache_accounting == "vendor" and not self.strip_preambles:
+            # The emulation assumes Anthropic's service reads the billing header as metadata
+            # (Claude Code's users keep their cache there); an engine that renders it cannot
+            # reproduce that accounting.
+            raise ValueError("vendor cache accounting needs strip_preambles: the vendor does "
+                             "not cache per-request preambles as prompt")
+        self.preambles  # noqa: B018 (compiles the patterns: a bad one is a ValueError now)
+
+    @functools.cached_property
+    def preambles(self) -> tuple[Preamble, ...]:
+        """The preambles stripped from requests; empty when stripping is off."""
+        return preamble_table(self.preamble_patterns) if self.strip_preambles else ()
 
     @property
     def model_name(self) -> str:

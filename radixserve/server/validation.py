@@ -13,6 +13,8 @@ from radixserve.server.context import ServerContext
 from radixserve.server.errors import APIError, bad_request
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+# Sent when --max-tokens-policy clamp lowered a request's max_tokens: "REQUESTED->GRANTED".
+MAX_TOKENS_HEADER = "x-radixserve-max-tokens-clamped"
 
 
 class SamplingFields(Protocol):
@@ -56,10 +58,15 @@ def _context_error(prompt_len: int, requested: int | None, context: int, param: 
 def completion_budget(ctx: ServerContext, requested: int | None, prompt_len: int, param: str) -> int:
     """max_tokens as asked, or all the room left in the context and the KV pool.
 
-    Prompt and completion must fit in the context window (400 otherwise): the APIs refuse what
-    the engine would accept and cut short at the context's end.
+    Prompt and completion must fit in the context window: the APIs refuse (400) what the engine
+    would accept and cut short at the context's end, unless the max_tokens policy is "clamp",
+    which lowers max_tokens to the room the context leaves.
     """
     context = ctx.max_model_len
+    if requested is not None and prompt_len + requested > context \
+            and ctx.settings.max_tokens_policy == "clamp" and prompt_len < context:
+        # The caller reports the clamp (MAX_TOKENS_HEADER).
+        return max(1, min(context, ctx.kv_capacity) - prompt_len)
     if prompt_len + (requested or 1) > context:
         raise _context_error(prompt_len, requested, context, param)
     if requested is not None:

@@ -18,6 +18,7 @@ from radixserve.outputs import RequestOutput
 from radixserve.provider_caching import Cost
 from radixserve.sampling_params import SamplingParams, StructuredOutputsParams
 from radixserve.server.accounting import CacheLedger, JobAccount
+from radixserve.server.anthropic.field_audit import NOT_APPLIED_HEADER, not_applied, thinking_asked
 from radixserve.server.anthropic.prompt import PreparedPrompt, prepare_prompt
 from radixserve.server.anthropic.protocol import (
     MessagesRequest,
@@ -41,9 +42,13 @@ from radixserve.server.tool_calls.tools import (
     turn_constraint,
 )
 from radixserve.server.transport import sse
-from radixserve.server.validation import checked_sampling_params
+from radixserve.server.validation import MAX_TOKENS_HEADER, checked_sampling_params
 
 COST_HEADER = "x-radixserve-cost-usd"
+# Context editing changed the prompt from this body path on (the cache serves what precedes).
+CONTEXT_EDIT_HEADER = "x-radixserve-context-edited-from"
+# A per-request preamble was taken out before rendering: "NAME (PATH, N tokens)".
+PREAMBLE_HEADER = "x-radixserve-preamble-stripped"
 # Extended thinking (or output_config.effort) asked of a model without a reasoning mode:
 # served as a plain answer, and the response says so here (refusing it would lock out
 # clients that send it by default).
@@ -86,12 +91,40 @@ async def prepare_message(ctx: ServerContext, request: Request, raw: bytes) -> M
                                      "messages", structured)
     namespace = cache_namespace(ctx.settings, request.state.api_key, None)
     ledger: CacheLedger = request.app.state.cache_ledger
+    headers = request_headers(prompt, not_applied(body, request.headers.get("anthropic-beta")))
+    if 0 < params.max_tokens < body.max_tokens:
+        headers[MAX_TOKENS_HEADER] = f"{body.max_tokens}->{params.max_tokens}"
+    if thinking_asked(body):
+        headers[THINKING_HEADER] = THINKING_IGNORED
+    for stripped, tokens in prompt.stripped:
+        ctx.metrics.preamble_stripped(stripped.name, tokens)
     return MessagesExchange(ledger, prompt, params, namespace, bool(body.stream),
                             prewarm=body.max_tokens == 0,
                             calls=call_reading(tools, choice, TOOL_CALL_FORMAT,
                                                ctx.engine.grammars),
-                            thinking_ignored=(body.thinking or {}).get("type") == "enabled"
-                            or "effort" in (body.output_config or {}))
+                            headers=headers)
+
+
+def prompt_notes(prompt: PreparedPrompt) -> tuple[str, ...]:
+    """The dashboard's lines on what the server changed in this prompt."""
+    notes = [f"{s.name} stripped from {s.path} ({n} tokens that change per request; the "
+             "cache match continues past it)" for s, n in prompt.stripped]
+    if prompt.edited is not None and prompt.edited.first_edited is not None:
+        notes.append(f"context editing rewrote the prompt from {prompt.edited.first_edited}")
+    return tuple(notes)
+
+
+def request_headers(prompt: PreparedPrompt, not_applied_items: list[str]) -> dict[str, str]:
+    """What the server did to the request (or did not apply), as response headers."""
+    headers = {}
+    if prompt.stripped:
+        headers[PREAMBLE_HEADER] = ", ".join(f"{s.name} ({s.path}, {n} tokens)"
+                                             for s, n in prompt.stripped)
+    if prompt.edited is not None and prompt.edited.first_edited is not None:
+        headers[CONTEXT_EDIT_HEADER] = prompt.edited.first_edited
+    if not_applied_items:
+        headers[NOT_APPLIED_HEADER] = ", ".join(not_applied_items)
+    return headers
 
 
 def _output_format(config: dict[str, Any] | None) -> StructuredOutputsParams | None:
@@ -106,10 +139,8 @@ def _output_format(config: dict[str, Any] | None) -> StructuredOutputsParams | N
     return StructuredOutputsParams(json=fmt["schema"])
 
 
-def _cost_headers(request_id: str, cost: Cost | None, thinking_ignored: bool) -> dict[str, str]:
-    headers = {"request-id": request_id}
-    if thinking_ignored:
-        headers[THINKING_HEADER] = THINKING_IGNORED
+def _cost_headers(request_id: str, cost: Cost | None, extra: dict[str, str]) -> dict[str, str]:
+    headers = {"request-id": request_id, **extra}
     if cost is not None:
         headers[COST_HEADER] = f"{cost.with_cache:.8f}"
         headers[UNCACHED_COST_HEADER] = f"{cost.without_cache:.8f}"
@@ -121,10 +152,11 @@ class MessagesExchange(Exchange):
 
     def __init__(self, ledger: CacheLedger, prompt: PreparedPrompt, params: SamplingParams,
                  namespace: CacheNamespace, stream: bool, prewarm: bool,
-                 calls: CallReading | None = None, thinking_ignored: bool = False) -> None:
+                 calls: CallReading | None = None, headers: dict[str, str] | None = None
+                 ) -> None:
         super().__init__(new_message_id(), stream)
         self.calls = calls  # how tool calls are read; None: the text is all content
-        self.thinking_ignored = thinking_ignored
+        self.headers = headers or {}  # what the server did to the request (request_headers)
         self._blocks = StreamBlocks(calls)
         self.request_id = new_request_id()  # the `request-id` header, as the vendor sends
         self.ledger = ledger
@@ -145,15 +177,15 @@ class MessagesExchange(Exchange):
         self._account = self.ledger.anthropic(self.prompt.model, self.prompt.layout,
                                               self.namespace, bill_output=not self.prewarm)
         return [Job(self.prompt.token_ids, self.params, self.namespace, self.prompt.pins,
-                    self._account)]
+                    self._account, prompt_notes(self.prompt))]
 
     def response_body(self, finals: list[RequestOutput]) -> dict[str, Any]:
         sample = finals[0].outputs[0]
         usage = self.account.usage
         assert usage is not None  # known from the first output
         if self.prewarm:
-            return message_body(self.response_id, self.prompt.model, [], "max_tokens", None,
-                                usage, 0)
+            return self._with_edits(message_body(self.response_id, self.prompt.model, [],
+                                                 "max_tokens", None, usage, 0))
         stop_reason, stop_sequence = stop_fields(sample)
         content: list[dict[str, Any]] = [{"type": "text", "text": sample.text}]
         if self.calls is not None:
@@ -164,14 +196,21 @@ class MessagesExchange(Exchange):
                      "input": json.loads(call.arguments)} for call in parsed.calls]
                 stop_reason = "tool_use" if stop_reason == "end_turn" else stop_reason
         content = [block for block in content if block["type"] != "text" or block["text"]]
-        return message_body(self.response_id, self.prompt.model, content, stop_reason,
-                            stop_sequence, usage, len(sample.token_ids))
+        return self._with_edits(message_body(self.response_id, self.prompt.model, content,
+                                             stop_reason, stop_sequence, usage,
+                                             len(sample.token_ids)))
+
+    def _with_edits(self, body: dict[str, Any]) -> dict[str, Any]:
+        """`context_management.applied_edits` where the request asked for context editing."""
+        if self.prompt.edited is not None:
+            body["context_management"] = {"applied_edits": self.prompt.edited.applied_edits}
+        return body
 
     def response_headers(self) -> dict[str, str]:
-        return _cost_headers(self.request_id, self.account.cost, self.thinking_ignored)
+        return _cost_headers(self.request_id, self.account.cost, self.headers)
 
     def stream_headers(self) -> dict[str, str]:
-        return _cost_headers(self.request_id, self.account.prompt_cost(), self.thinking_ignored)
+        return _cost_headers(self.request_id, self.account.prompt_cost(), self.headers)
 
     def opening_events(self) -> list[bytes]:
         assert self.account.usage is not None  # the first output has been seen
@@ -205,11 +244,10 @@ class MessagesExchange(Exchange):
         usage = {key: self._start_usage[key] for key in
                  ("input_tokens", "cache_creation_input_tokens", "cache_read_input_tokens")}
         usage["output_tokens"] = len(sample.token_ids)
+        delta = self._with_edits({"type": "message_delta", "delta": {
+            "stop_reason": stop_reason, "stop_sequence": stop_sequence}, "usage": usage})
         return [_event({"type": "content_block_stop", "index": self._blocks.index}),
-                _event({"type": "message_delta",
-                        "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                        "usage": usage}),
-                _event({"type": "message_stop"})]
+                _event(delta), _event({"type": "message_stop"})]
 
     def error_events(self, error: APIError) -> list[bytes]:
         return [_event(error_body(error))]  # {"type": "error", "error": {...}}

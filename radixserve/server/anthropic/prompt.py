@@ -1,6 +1,8 @@
-"""A Messages (or count_tokens) body to the engine's prompt: checked, rendered in the vendor's
-cache order (tools, system, messages) through the model's chat template, with each
-`cache_control` breakpoint as a token offset, pinned in the prefix cache for its TTL.
+"""A Messages (or count_tokens) body to the engine's prompt: checked, its per-request
+preamble stripped (`provider_caching.preambles`), its context edits applied
+(`context_editing`), rendered in the vendor's cache order (tools, system, messages) through
+the model's chat template, with each `cache_control` breakpoint as a token offset, pinned in
+the prefix cache for its TTL.
 """
 
 from __future__ import annotations
@@ -8,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import jinja2
 
@@ -24,9 +26,16 @@ from radixserve.provider_caching import (
     render_request,
     validate_breakpoints,
 )
+from radixserve.provider_caching.preambles import StrippedPreamble, strip_preambles
 from radixserve.provider_caching.template import ChatPrompt, breakpoint_token_offsets, render_prompt
 from radixserve.provider_caching.vendor_rules import TTL_SECONDS
 from radixserve.server.accounting import is_known_anthropic_model
+from radixserve.server.anthropic.context_editing import (
+    Edit,
+    EditedBody,
+    apply_edits,
+    parse_context_management,
+)
 from radixserve.server.anthropic.protocol import TEXT_BLOCK_TYPES, CountTokensRequest
 from radixserve.server.context import ServerContext
 from radixserve.server.errors import APIError, bad_request
@@ -43,6 +52,9 @@ class PreparedPrompt:
     token_ids: list[int]
     layout: PromptLayout
     pins: tuple[tuple[int, float], ...]
+    # Per-request preambles taken out before rendering, with their length in tokens.
+    stripped: tuple[tuple[StrippedPreamble, int], ...] = ()
+    edited: EditedBody | None = None  # context_management's result; None: none asked
 
 
 def _check_model(ctx: ServerContext, name: str) -> str:
@@ -60,8 +72,13 @@ def _check_block_types(body: CountTokensRequest) -> None:
         body.system if isinstance(body.system, list) else [])]
     for i, message in enumerate(body.messages):
         if isinstance(message.content, list):
-            blocks += [(f"messages.{i}.content.{j}", b, TEXT_BLOCK_TYPES)
+            allowed = ("text",) if message.role == "system" else TEXT_BLOCK_TYPES
+            blocks += [(f"messages.{i}.content.{j}", b, allowed)
                        for j, b in enumerate(message.content)]
+    for i, message in enumerate(body.messages):
+        if message.clear_at is not None and message.role != "system":
+            raise bad_request(f"messages.{i}.clear_at: only permitted on role \"system\" "
+                              "messages", f"messages.{i}.clear_at")
     for path, block, allowed in blocks:
         if block.get("type") not in allowed:
             raise bad_request(f"{path}.type: this model reads only {', '.join(allowed)} blocks; "
@@ -80,6 +97,47 @@ def _render(tokenizer: ChatTokenizer, prompt: ChatPrompt,
     return rendered, offsets
 
 
+def _shown_messages(data: dict[str, Any]) -> dict[str, Any]:
+    """Without the role "system" messages whose `clear_at` is next_user_message and that a
+    later user message follows: the vendor keeps them in the array but no longer shows them."""
+    messages = data["messages"]
+    last_user = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=-1)
+    shown = [m for i, m in enumerate(messages) if not (
+        m.get("role") == "system" and m.get("clear_at") == "next_user_message" and i < last_user)]
+    return data if len(shown) == len(messages) else {**data, "messages": shown}
+
+
+def _prompt_length(tokenizer: ChatTokenizer, data: dict[str, Any]) -> int:
+    try:
+        request = render_request(data, "anthropic")
+    except BodyError as exc:
+        raise bad_request(str(exc)) from None
+    return len(_render(tokenizer, chat_prompt(request), ())[0].token_ids)
+
+
+def _prepare(tokenizer: ChatTokenizer, name: str, data: dict[str, Any],
+             stripped: list[StrippedPreamble], edits: tuple[Edit, ...] | None) -> PreparedPrompt:
+    """`edits` None: the request has no context_management (and its response says nothing)."""
+    edited = None
+    if edits is not None:
+        edited = apply_edits(data, edits, lambda d: _prompt_length(tokenizer, d))
+        data = edited.body
+    try:
+        request = render_request(data, "anthropic")
+        breakpoints = validate_breakpoints(request)
+    except CacheControlError as exc:
+        raise bad_request(exc.message) from None
+    except BodyError as exc:
+        raise bad_request(str(exc)) from None
+    rendered, offsets = _render(tokenizer, chat_prompt(request), breakpoints)
+    layout = build_layout(request, breakpoints, offsets, len(rendered.token_ids),
+                          namespace=name, token_ids=rendered.token_ids)
+    pins = tuple((bp.tokens, TTL_SECONDS[bp.ttl]) for bp in layout.breakpoints if bp.tokens > 0)
+    lengths = tuple((s, len(tokenizer.encode(s.text, add_special_tokens=False)))
+                    for s in stripped)
+    return PreparedPrompt(name, rendered.token_ids, layout, pins, lengths, edited)
+
+
 async def prepare_prompt(ctx: ServerContext, raw: bytes,
                          model: type[RequestT]) -> tuple[RequestT, PreparedPrompt]:
     """The body parsed into `model` and its prompt; 400 (404 for the model) when either is bad."""
@@ -88,16 +146,11 @@ async def prepare_prompt(ctx: ServerContext, raw: bytes,
     if not body.messages:
         raise bad_request("messages: at least one message is required")
     _check_block_types(body)
-    try:
-        request = render_request(json.loads(raw), "anthropic")
-        breakpoints = validate_breakpoints(request)
-    except CacheControlError as exc:
-        raise bad_request(exc.message) from None
-    except BodyError as exc:
-        raise bad_request(str(exc)) from None
-    rendered, offsets = await asyncio.to_thread(_render, ctx.tokenizer, chat_prompt(request),
-                                                breakpoints)
-    layout = build_layout(request, breakpoints, offsets, len(rendered.token_ids),
-                          namespace=name, token_ids=rendered.token_ids)
-    pins = tuple((bp.tokens, TTL_SECONDS[bp.ttl]) for bp in layout.breakpoints if bp.tokens > 0)
-    return body, PreparedPrompt(name, rendered.token_ids, layout, pins)
+    data, stripped = strip_preambles(json.loads(raw), "anthropic", ctx.settings.preambles)
+    data = _shown_messages(data)
+    edits: tuple[Edit, ...] | None = None
+    if data.get("context_management") is not None:
+        thinking_on = (body.thinking or {}).get("type") in ("enabled", "adaptive")
+        edits = parse_context_management(data["context_management"], thinking_on)
+    prepared = await asyncio.to_thread(_prepare, ctx.tokenizer, name, data, stripped, edits)
+    return body, prepared

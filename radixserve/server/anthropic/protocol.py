@@ -42,8 +42,12 @@ class CacheControlParam(StrictModel):
 
 
 class MessageParam(StrictModel):
-    role: Literal["user", "assistant"]
+    # "system": a system message inside the conversation (what Claude Code sends for its
+    # environment); rendered with the template's system role where it stands.
+    role: Literal["user", "assistant", "system"]
     content: str | list[dict[str, Any]]
+    # Only on role "system": "next_user_message" shows it until a later user message exists.
+    clear_at: Literal["next_user_message", "never"] | None = None
 
 
 class CountTokensRequest(StrictModel):
@@ -58,6 +62,8 @@ class CountTokensRequest(StrictModel):
     # Accepted (agent clients send it by default) and not acted on: this model has no
     # reasoning mode; a response to a request that enables it carries THINKING_HEADER.
     thinking: dict[str, Any] | None = None
+    # Anthropic's context editing (server.anthropic.context_editing); checked there.
+    context_management: dict[str, Any] | None = None
 
 
 class MessagesRequest(CountTokensRequest):

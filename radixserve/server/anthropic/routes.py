@@ -74,9 +74,13 @@ async def _authenticate(request: Request) -> None:
 
 async def count_tokens(request: Request) -> Response:
     """The rendered prompt's length: what input, cache reads and writes of a real request
-    add up to (no cache split, as the vendor's endpoint)."""
+    add up to (no cache split, as the vendor's endpoint), after the same preamble strip and
+    context edits; with context_management, the length before the edits too."""
     ctx = context_of(request)
     raw = await read_body(request, ctx.settings.max_request_bytes)
     _, prepared = await prepare_prompt(ctx, raw, CountTokensRequest)
-    return JSONResponse({"input_tokens": len(prepared.token_ids)},
-                        headers={"request-id": new_request_id()})
+    body: dict[str, object] = {"input_tokens": len(prepared.token_ids)}
+    if prepared.edited is not None:
+        body["context_management"] = {
+            "original_input_tokens": prepared.edited.original_input_tokens}
+    return JSONResponse(body, headers={"request-id": new_request_id()})

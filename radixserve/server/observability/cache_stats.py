@@ -62,6 +62,7 @@ class FinishedRequest:
     cost_usd: float | None  # None: not billed
     miss_at: int | None  # where the cache match ended; None: all but the last token was cached
     miss_token_ids: tuple[int, ...]  # the prompt's tokens from there
+    notes: tuple[str, ...] = ()  # what the server changed in the prompt (`Job.notes`)
 
 
 @dataclass
@@ -163,7 +164,8 @@ class CacheStatsBook:
             namespace=end.job.namespace, prompt_tokens=len(prompt), cached_tokens=cached,
             ttft_s=end.ttft_s, cost_usd=cost.with_cache if cost is not None else None,
             miss_at=miss_at,
-            miss_token_ids=() if miss_at is None else tuple(prompt[miss_at : miss_at + MISS_TOKENS]))
+            miss_token_ids=() if miss_at is None else tuple(prompt[miss_at : miss_at + MISS_TOKENS]),
+            notes=end.job.notes)
         self.totals.add(record)
         tenant = self.tenants.pop(record.namespace, None) or Tally()
         tenant.add(record)

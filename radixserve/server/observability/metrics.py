@@ -222,6 +222,14 @@ class ServerMetrics:
             PREFIX + "prompt_cache_usage_tokens", "Prompt tokens as the usage fields reported "
             "them, by kind: read, write_5m, write_1h, uncached.", ["model_name", "api", "kind"],
             registry=reg)
+        # Per-request preambles (provider_caching.preambles) taken out before rendering.
+        self._preambles = Counter(
+            PREFIX + "preamble_stripped", "Requests whose per-request preamble (such as "
+            "Claude Code's billing header) was taken out before rendering, by preamble.",
+            ["model_name", "preamble"], registry=reg)
+        self._preamble_tokens = Counter(
+            PREFIX + "preamble_stripped_tokens", "Tokens of the per-request preambles taken "
+            "out, by preamble.", ["model_name", "preamble"], registry=reg)
         self._engine = _EngineCollector(model_name)
         reg.register(self._engine)
         self._exposition: Collector = VllmView(reg, PREFIX) if compat == "vllm" else reg
@@ -238,6 +246,10 @@ class ServerMetrics:
                  "write_1h": usage.cache_write_1h_tokens, "uncached": usage.uncached_tokens}
         for kind, tokens in kinds.items():
             self._cache_usage.labels(self.model_name, api, kind).inc(tokens)
+
+    def preamble_stripped(self, preamble: str, tokens: int) -> None:
+        self._preambles.labels(self.model_name, preamble).inc()
+        self._preamble_tokens.labels(self.model_name, preamble).inc(tokens)
 
     def request_rejected(self, reason: str) -> None:
         self._rejected.labels(self.model_name, reason).inc()

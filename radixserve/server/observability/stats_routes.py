@@ -77,6 +77,7 @@ async def cache_stats(request: Request, window: str = "5m") -> dict[str, Any]:
         "recent": [{"id": r.request_id, "api": r.api, "at": r.at, "prompt_tokens": r.prompt_tokens,
                     "cached_tokens": r.cached_tokens, "ttft_s": r.ttft_s, "cost_usd": r.cost_usd,
                     "miss_at": r.miss_at, "miss_text": _text(ctx, r.miss_token_ids),
+                    "notes": list(r.notes),
                     "namespace": namespace_label(r.namespace)}
                    for r in reversed(book.recent) if mine is None or mine(r.namespace)],
     }

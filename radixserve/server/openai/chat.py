@@ -20,6 +20,7 @@ from radixserve.server.openai.protocol import (
     finish_reason,
     refuse_unsupported,
 )
+from radixserve.server.preamble_strip import strip_chat_preamble
 from radixserve.server.prompts import render_chat
 from radixserve.server.serving import Job
 from radixserve.server.tool_calls.constraints import response_format_constraint
@@ -40,7 +41,7 @@ async def create_chat_completion(request: Request) -> Response:
 
 
 async def prepare_chat(ctx: ServerContext, request: Request, raw: bytes) -> ChatExchange:
-    body = parse_body(raw, ChatCompletionRequest)
+    body = parse_body(strip_chat_preamble(ctx, raw), ChatCompletionRequest)
     model = ctx.check_model(body.model)
     refuse_unsupported(body)
     flags = stream_flags(body)

@@ -505,7 +505,10 @@
       el("td", { class: "num" }, fmtSeconds(r.ttft_s)),
       el("td", { class: "num" }, fmtUsd(r.cost_usd)),
       el("td", { class: "num" }, r.miss_at == null ? "all cached" : `token ${fmtInt(r.miss_at)}`),
-      el("td", {}, el("code", { class: "edge", title: r.miss_text ?? "" }, oneLine(r.miss_text)))));
+      el("td", {}, el("code", { class: "edge", title: r.miss_text ?? "" }, oneLine(r.miss_text)),
+        // What the server changed before the engine saw the prompt (a preamble stripped).
+        ...(r.notes ?? []).map((note) => el("div", { class: "muted", "data-testid": "recent-note" },
+                                            note)))));
     $("recent-body").replaceChildren(...(rows.length ? rows
       : [el("tr", {}, el("td", { colspan: 8, class: "muted" }, "No requests yet."))]));
   }
