@@ -1,7 +1,7 @@
 """A minimal chat template in the Qwen3 style, written for the tests: ChatML turns, earlier
-assistant turns rendered without their reasoning, an `enable_thinking` switch (False writes an
-empty think block, so the reply is all answer) and a `think_in_prompt` switch (the prompt opens
-the think block, so the reply starts inside it, as some reasoning templates do)."""
+assistant turns rendered without their reasoning, and an `enable_thinking` switch: False writes
+an empty think block (the reply is all answer), True opens the think block in the prompt (the
+reply starts inside it, as templates that force reasoning do), unset leaves it to the model."""
 
 THINK_TEMPLATE = (
     "{%- for m in messages -%}"
@@ -15,7 +15,7 @@ THINK_TEMPLATE = (
     "{{- '<|im_start|>assistant\\n' -}}"
     "{%- if enable_thinking is defined and not enable_thinking -%}"
     "{{- '<think>\\n\\n</think>\\n\\n' -}}"
-    "{%- elif think_in_prompt is defined and think_in_prompt -%}"
+    "{%- elif enable_thinking is defined -%}"
     "{{- '<think>\\n' -}}"
     "{%- endif -%}"
     "{%- endif -%}"
