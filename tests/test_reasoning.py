@@ -1,13 +1,19 @@
 """Reasoning split from answers (server/reasoning.py): whole replies, streams cut at every
-point (tags split across deltas), token counts, the per-family choice, and the chat-template
-arguments that switch thinking."""
+point (tags split across deltas), token counts, the per-family choice, the chat-template
+arguments that switch thinking, and the Anthropic stream's blocks around a thinking block."""
 
 from __future__ import annotations
+
+import json
+from typing import Any
 
 import pytest
 
 from radixserve.model.families import family_named
+from radixserve.outputs import CompletionOutput
+from radixserve.server.anthropic.messages import MessagesExchange
 from radixserve.server.errors import APIError
+from radixserve.server.exchange import StreamCursor
 from radixserve.server.prompts import template_arguments
 from radixserve.server.reasoning import (
     NoReasoning,
@@ -17,6 +23,7 @@ from radixserve.server.reasoning import (
     reasoning_format,
     reasoning_tokens,
 )
+from radixserve.server.tool_calls.tools import CallReading
 from tests.support.chat_templates import THINK_TEMPLATE
 
 REPLIES = [
@@ -109,3 +116,46 @@ def test_template_arguments_must_be_read_by_the_template_and_not_the_servers() -
         with pytest.raises(APIError) as caught:
             template_arguments(THINK_TEMPLATE, bad)
         assert caught.value.status == 400
+
+
+def _anthropic_events(text: str, cuts: list[int], calls: bool) -> list[dict[str, Any]]:
+    """The content events a Messages stream sends for `text` generated in pieces ending at
+    `cuts` (the engine's cumulative outputs, through the streaming loop's cursor)."""
+    exchange = MessagesExchange(None, None, None, None, stream=True,  # type: ignore[arg-type]
+                                prewarm=False, reasoning=ThinkTags(),
+                                calls=CallReading("hermes", None, False, lambda call: True)
+                                if calls else None)
+    cursor = StreamCursor([])
+    events = []
+    for end in cuts:
+        sample = CompletionOutput(0, text[:end], list(range(end)),
+                                  "stop" if end == len(text) else None)
+        event = exchange.delta_event(cursor.advance(0, sample))
+        for chunk in (event or b"").split(b"\n\n"):
+            if chunk:
+                events.append(json.loads(chunk.split(b"data: ", 1)[1]))
+    return events
+
+
+@pytest.mark.parametrize("calls", [False, True])
+def test_an_anthropic_stream_sends_a_thinking_block_then_the_answer(calls: bool) -> None:
+    text = "<think>\nadd them\n</think>\n\nFour."
+    for cuts in ([*range(1, len(text) + 1)], [9, 20, 27, len(text)]):
+        events = _anthropic_events(text, cuts, calls)
+        starts = [(e["index"], e["content_block"]["type"]) for e in events
+                  if e["type"] == "content_block_start"]
+        assert starts == [(0, "thinking"), (1, "text")]
+        thinking = "".join(e["delta"]["thinking"] for e in events
+                           if e["type"] == "content_block_delta" and e["index"] == 0)
+        answer = "".join(e["delta"]["text"] for e in events
+                         if e["type"] == "content_block_delta" and e["index"] == 1)
+        assert (thinking, answer) == ("add them", "Four.")
+        stop = events.index({"type": "content_block_stop", "index": 0})
+        assert all(e.get("index") == 1 for e in events[stop + 1:])
+
+
+def test_an_anthropic_stream_without_reasoning_is_one_text_block() -> None:
+    events = _anthropic_events("Four.", [2, 5], calls=False)
+    assert [e["type"] for e in events] == ["content_block_start", "content_block_delta",
+                                           "content_block_delta"]
+    assert events[0]["content_block"]["type"] == "text"
