@@ -5,11 +5,13 @@ arguments that switch thinking, and the Anthropic stream's blocks around a think
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
 from radixserve.model.families import family_named
+from radixserve.model.tokenizer import ChatTokenizer
 from radixserve.outputs import CompletionOutput
 from radixserve.server.anthropic.messages import MessagesExchange
 from radixserve.server.errors import APIError
@@ -159,3 +161,22 @@ def test_an_anthropic_stream_without_reasoning_is_one_text_block() -> None:
     assert [e["type"] for e in events] == ["content_block_start", "content_block_delta",
                                            "content_block_delta"]
     assert events[0]["content_block"]["type"] == "text"
+
+
+@pytest.mark.model
+def test_the_template_switch_and_history_render_as_the_reasoning_split_expects(
+        tokenizer: ChatTokenizer) -> None:
+    chat = replace(tokenizer, chat_template=THINK_TEMPLATE)
+    turns = [{"role": "user", "content": "hi"},
+             {"role": "assistant", "content": "<think>\nhmm\n</think>\n\nHello"},
+             {"role": "user", "content": "2+2?"}]
+
+    def tail(**extra: Any) -> str:
+        ids = chat.encode_chat(turns, **extra)
+        return chat.decode(ids[-16:], skip_special_tokens=False)
+
+    assert "hmm" not in chat.decode(chat.encode_chat(turns), skip_special_tokens=False)
+    assert not reasoning_format("think", tail()).inside
+    assert not reasoning_format("think", tail(enable_thinking=False)).inside
+    assert tail(enable_thinking=False).endswith("<think>\n\n</think>\n\n")
+    assert reasoning_format("think", tail(enable_thinking=True)).inside
