@@ -83,10 +83,13 @@ class ServerContext:
         return format_for(family_named(self.aengine.limits.family).reasoning_parser,
                           self.tokenizer.chat_template)
 
-    def reasoning_format(self, prompt_ids: list[int]) -> ReasoningFormat:
+    def reasoning_format(self, prompt_ids: list[int], constrained: bool) -> ReasoningFormat:
         """The reasoning format of a reply to `prompt_ids`, told whether the prompt left
-        reasoning open (the template wrote the opening tag)."""
-        tail = self.tokenizer.decode(prompt_ids[-16:], skip_special_tokens=False)
+        reasoning open (the template wrote the opening tag). A `constrained` reply (a grammar
+        writes it from its first token: a forced call, a response format) is the answer even
+        where the prompt opened reasoning, unless it opens a think block itself."""
+        tail = "" if constrained else self.tokenizer.decode(prompt_ids[-16:],
+                                                            skip_special_tokens=False)
         return reasoning_format(self.reasoning_parser, tail)
 
     @functools.cached_property

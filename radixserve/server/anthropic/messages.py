@@ -103,7 +103,8 @@ async def prepare_message(ctx: ServerContext, request: Request, raw: bytes) -> M
                             prewarm=body.max_tokens == 0,
                             calls=call_reading(tools, choice, TOOL_CALL_FORMAT,
                                                ctx.engine.grammars),
-                            headers=headers, reasoning=ctx.reasoning_format(prompt.token_ids))
+                            headers=headers, reasoning=ctx.reasoning_format(prompt.token_ids,
+                                                                     structured is not None))
 
 
 def thinking_note(ctx: ServerContext, body: MessagesRequest) -> str | None:

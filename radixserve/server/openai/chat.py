@@ -69,7 +69,7 @@ async def prepare_chat(ctx: ServerContext, request: Request, raw: bytes) -> Chat
     namespace = cache_namespace(ctx.settings, request.state.api_key, body.cache_salt)
     reading = call_reading(tools, choice, family, ctx.engine.grammars)
     return ChatExchange(ctx, model, flags, [Job(prompt_ids, params, namespace)], reading,
-                        ctx.reasoning_format(prompt_ids))
+                        ctx.reasoning_format(prompt_ids, structured is not None))
 
 
 def _tool_call(call_id: str, call: ToolCall) -> dict[str, Any]:
