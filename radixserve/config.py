@@ -69,6 +69,8 @@ class EngineConfig:
     prefill_attention_backend: str = "auto"  # see PREFILL_ATTENTION_BACKENDS
     matmul_backend: str = "auto"  # projections of steps with few tokens; see MATMUL_BACKENDS
     quantization: str = "auto"  # see QUANTIZATIONS
+    # A Jinja chat template file used instead of the model's own (vLLM's --chat-template).
+    chat_template: str | None = None
     # The disk KV tier (radixserve/kv_tier): off unless a directory is given. Every block of
     # kv_offload_block_tokens tokens a request completes is written there (and read back when
     # a prompt needs it past the pool's match), within kv_offload_gb on disk, through a write

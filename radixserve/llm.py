@@ -66,10 +66,14 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
         use_tqdm: bool = True,
         cache_salt: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Applies the model's chat template to one conversation or a list of them."""
+        """Applies the model's chat template to one conversation or a list of them;
+        `chat_template_kwargs` are extra template arguments (e.g. {"enable_thinking": False})."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        token_ids = [self.tokenizer.encode_chat(conv, tools) for conv in conversations]  # type: ignore[arg-type]
+        extra = chat_template_kwargs or {}
+        token_ids = [self.tokenizer.encode_chat(conv, tools, **extra)  # type: ignore[arg-type]
+                     for conv in conversations]
         params = self._params_per_prompt(sampling_params, len(token_ids))
         return self._run(token_ids, params, use_tqdm, cache_salt)
 

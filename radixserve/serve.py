@@ -36,6 +36,7 @@ from radixserve.home import cache_home
 from radixserve.replicas.launch import add_flags as add_replica_flags
 from radixserve.replicas.launch import check_flags as check_replica_flags
 from radixserve.replicas.launch import check_single, serve_replicas
+from radixserve.server.reasoning import REASONING_PARSERS
 from radixserve.server.settings import (
     CACHE_ACCOUNTING_MODES,
     DEFAULT_MODEL_NAME,
@@ -131,6 +132,8 @@ def _model_flags(model: argparse._ArgumentGroup) -> None:
                             "our C++ kernel (CPU; the default); none: dequantize every tensor at load "
                             "(the reference path); int8/int4: also quantize float weights at "
                             "load (to Q8_0/Q4_1)")
+    model.add_argument("--chat-template", default=None, metavar="PATH",
+                       help="a Jinja chat template file used instead of the model's own")
     model.add_argument("--num-threads", type=int, default=None,
                        help="torch CPU threads; unset: torch's default")
     model.add_argument("--seed", type=int, default=0,
@@ -218,6 +221,11 @@ def _http_flags(http: argparse._ArgumentGroup) -> None:
     http.add_argument("--tool-call-parser", choices=PARSERS, default=None,
                       help="how tool calls are read from the model's output; default: chosen "
                            "from the chat template (hermes where it has no tool format)")
+    http.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default="auto",
+                      help="how reasoning is read from replies (returned as reasoning_content "
+                           "/ thinking blocks): think (<think>...</think>), none, auto (the "
+                           "model family's: think for Qwen3, Qwen3-MoE and SmolLM3, or where "
+                           "the chat template writes think tags)")
     http.add_argument("--metrics-compat", choices=METRICS_COMPAT_MODES, default=None,
                       help="vllm: /metrics also exports `vllm:`-named twins (vLLM 0.11's names "
                            "and labels) of the metrics vLLM has, for aiperf and vLLM's Grafana "

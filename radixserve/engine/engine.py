@@ -11,6 +11,7 @@ import time
 import uuid
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -74,12 +75,15 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         loaded = load_model(config, self.device, self.dtype)
         self.model_path, self.model, self.tokenizer = loaded.path, loaded.model, loaded.tokenizer
+        if config.chat_template is not None:
+            self.tokenizer.chat_template = Path(config.chat_template).read_text()
         self.model_config = mc = loaded.config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
                                  mc.max_position_embeddings)
         self.pool = KVPool(mc.num_layers, kv_pool_pages(config, mc, self.dtype), config.page_size,
                            mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
-        self.limits = EngineLimits(mc.vocab_size, self.max_model_len, self.pool.num_slots)
+        self.limits = EngineLimits(mc.vocab_size, self.max_model_len, self.pool.num_slots,
+                                   mc.family)
         self.cache = make_prefix_cache(config.prefix_cache, config.page_size,
                                        self.pool.allocator.release, clock=clock,
                                        max_pinned_tokens=int(self.pool.num_slots

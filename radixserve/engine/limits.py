@@ -11,11 +11,13 @@ from radixserve.sampling_params import SamplingParams
 
 @dataclass(frozen=True)
 class EngineLimits:
-    """An engine's fixed limits: its vocabulary, its context and its KV pool, in tokens."""
+    """An engine's fixed limits: its vocabulary, its context and its KV pool, in tokens; and
+    the family of its model, whose reply formats the server reads."""
 
     vocab_size: int
     max_model_len: int
     kv_capacity: int
+    family: str = "llama"  # the model's family (radixserve/model/families.py)
 
     def check(self, ids: list[int], params: SamplingParams, grammars: GrammarCompiler) -> None:
         """Sampling params, output constraint and prompt (not empty, ids in the vocabulary,

@@ -1,6 +1,7 @@
 """What a model family declares: the HF model_types and GGUF architectures it accepts, how it
 reads its `ModelConfig` from each, the GGUF tensor names that differ from the common ones,
-the fix-ups its weights need once read, and its model class. The common readers here do the
+the fix-ups its weights need once read, its model class, and the reasoning and tool-call
+formats its replies use. The common readers here do the
 fields every family shares; a family passes what it adds. The registry of families is
 radixserve/model/families.py.
 """
@@ -71,6 +72,11 @@ class ModelFamily:
     gguf_layer_names: Mapping[str, str] = field(default_factory=dict)
     hf_fixup: WeightsFixup | None = None
     gguf_fixup: WeightsFixup | None = None
+    # What the server reads from this family's replies by default (`--reasoning-parser auto`,
+    # `--tool-call-parser` unset): its reasoning format (server/reasoning.py) and its
+    # tool-call format (server/tool_calls/parsers.py; None: chosen from the chat template).
+    reasoning_parser: str = "none"
+    tool_call_parser: str | None = None
 
     def hf_name(self, gguf_name: str) -> str:
         """The HF name of a GGUF tensor (unknown ones are an error naming the tensor)."""

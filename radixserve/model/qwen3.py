@@ -25,4 +25,6 @@ FAMILY = ModelFamily(
     gguf_architectures=("qwen3",),
     config_from_hf=_from_hf,
     config_from_gguf=_from_gguf,
+    reasoning_parser="think",
+    tool_call_parser="hermes",
 )

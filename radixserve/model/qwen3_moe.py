@@ -90,4 +90,6 @@ FAMILY = ModelFamily(
                       "ffn_up_exps": "mlp.experts.up", "ffn_down_exps": "mlp.experts.down"},
     hf_fixup=_hf_fixup,
     gguf_fixup=_gguf_fixup,
+    reasoning_parser="think",
+    tool_call_parser="hermes",
 )

@@ -42,4 +42,5 @@ FAMILY = ModelFamily(
     config_from_hf=_from_hf,
     config_from_gguf=_from_gguf,
     gguf_fixup=unpermute_qk,
+    reasoning_parser="think",
 )

@@ -88,9 +88,10 @@ class ChatTokenizer:
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
+        **extra: Any,
     ) -> list[int]:
         # The template writes the BOS itself where the model has one, so none is added here.
-        text = self.apply_chat_template(messages, tools, add_generation_prompt)
+        text = self.apply_chat_template(messages, tools, add_generation_prompt, **extra)
         return self.encode(text, add_special_tokens=False)
 
 

@@ -25,7 +25,7 @@ class ChatTemplateTokenizer(Protocol):
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-        add_generation_prompt: bool = True,
+        add_generation_prompt: bool = True, **extra: Any,
     ) -> str: ...
 
 
@@ -46,9 +46,11 @@ class ChatMessage:
 
 @dataclass(frozen=True)
 class ChatPrompt:
-    """Chat-template messages built from cache blocks, each piece tied to its block."""
+    """Chat-template messages built from cache blocks, each piece tied to its block, and the
+    template's extra arguments (such as enable_thinking)."""
 
     messages: tuple[ChatMessage, ...]
+    template_args: tuple[tuple[str, Any], ...] = ()
 
     def chat_messages(self, through_block: int | None = None) -> list[dict[str, str]]:
         """Messages for the template; with `through_block`, cut right after that block."""
@@ -102,7 +104,8 @@ def chat_prompt(request: RenderedRequest) -> ChatPrompt:
 
 def render_prompt(tokenizer: ChatTemplateTokenizer, prompt: ChatPrompt) -> RenderedPrompt:
     """The full prompt (with the generation prompt) and its token ids, as the engine runs it."""
-    text = tokenizer.apply_chat_template(prompt.chat_messages(), add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(prompt.chat_messages(), add_generation_prompt=True,
+                                         **dict(prompt.template_args))
     return RenderedPrompt(text, tokenizer.encode(text, add_special_tokens=False))
 
 
@@ -126,7 +129,8 @@ def breakpoint_token_offsets(
     offsets = []
     for block in block_indices:
         cut = tokenizer.apply_chat_template(prompt.chat_messages(block),
-                                            add_generation_prompt=False)
+                                            add_generation_prompt=False,
+                                            **dict(prompt.template_args))
         chars = common_prefix_len(cut, rendered.text)
         ids = tokenizer.encode(rendered.text[:chars], add_special_tokens=False)
         offsets.append(common_prefix_len(ids, rendered.token_ids))

@@ -81,7 +81,9 @@ class EngineReplica:
                             vocab_size=engine.limits.vocab_size,
                             max_model_len=engine.limits.max_model_len,
                             kv_capacity=engine.limits.kv_capacity,
-                            block_size=engine.config.kv_events_block_size)
+                            block_size=engine.config.kv_events_block_size,
+                            family=engine.limits.family,
+                            chat_template=engine.tokenizer.chat_template)
 
     async def generate(self, job: ReplicaJob) -> AsyncIterator[RequestOutput]:
         """Streams the job's cumulative outputs. The ingress cancelling the stream (its client

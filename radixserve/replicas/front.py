@@ -125,7 +125,8 @@ class ReplicaFront:
         self.facts = facts
         self._tokenizer = tokenizer
         self._grammars = GrammarCompiler(tokenizer)
-        self._limits = EngineLimits(facts.vocab_size, facts.max_model_len, facts.kv_capacity)
+        self._limits = EngineLimits(facts.vocab_size, facts.max_model_len, facts.kv_capacity,
+                                    facts.family)
         self.directory = directory
         self._with_text = with_text  # jobs carry their text (Ray's character-level router)
         self._clock = clock

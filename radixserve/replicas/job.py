@@ -40,3 +40,5 @@ class ReplicaFacts:
     max_model_len: int
     kv_capacity: int
     block_size: int  # tokens per KV-event block
+    family: str = "llama"  # the model's family: the reply formats the ingress reads
+    chat_template: str | None = None  # the engines' template (--chat-template included)

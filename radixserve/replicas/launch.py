@@ -203,7 +203,9 @@ def _deploy(args: argparse.Namespace, config: EngineConfig, settings: ServerSett
     facts = handle.describe.remote().result(timeout_s=120)
     logger.info("%d replicas ready in %.1f s", args.replicas, time.monotonic() - started)
     directory = ReplicaDirectory(app_name)
-    front = ReplicaFront(handle, facts, load_tokenizer(facts.model_path), directory,
+    tokenizer = load_tokenizer(facts.model_path)
+    tokenizer.chat_template = facts.chat_template  # the one the engines render with
+    front = ReplicaFront(handle, facts, tokenizer, directory,
                          with_text=args.router == "ray-prefix")
     app = create_app(front, settings, replicas=directory)
     add_replica_routes(app, directory, front)

@@ -9,10 +9,12 @@ from typing import Protocol
 
 from fastapi import Request
 
+from radixserve.model.families import family_named
 from radixserve.model.tokenizer import ChatTokenizer
 from radixserve.server.errors import model_not_found
 from radixserve.server.front import EngineFront
 from radixserve.server.observability.metrics import EngineSnapshot, ServerMetrics
+from radixserve.server.reasoning import ReasoningFormat, format_for, reasoning_format
 from radixserve.server.serving import EngineService, Lifecycle
 from radixserve.server.settings import ServerSettings
 from radixserve.server.tool_calls.parsers import family_for_template
@@ -68,7 +70,32 @@ class ServerContext:
         template = self.tokenizer.chat_template or ""
         if self.settings.tool_call_parser is not None:
             return self.settings.tool_call_parser
+        if (own := family_named(self.aengine.limits.family).tool_call_parser) is not None:
+            return own
         return family_for_template(template) if "tools" in template else "hermes"
+
+    @functools.cached_property
+    def reasoning_parser(self) -> str:
+        """The reasoning format this model writes ("none" or "think"): --reasoning-parser,
+        else its family's (`reasoning.format_for`)."""
+        if self.settings.reasoning_parser != "auto":
+            return self.settings.reasoning_parser
+        return format_for(family_named(self.aengine.limits.family).reasoning_parser,
+                          self.tokenizer.chat_template)
+
+    def reasoning_format(self, prompt_ids: list[int], constrained: bool) -> ReasoningFormat:
+        """The reasoning format of a reply to `prompt_ids`, told whether the prompt left
+        reasoning open (the template wrote the opening tag). A `constrained` reply (a grammar
+        writes it from its first token: a forced call, a response format) is the answer even
+        where the prompt opened reasoning, unless it opens a think block itself."""
+        tail = "" if constrained else self.tokenizer.decode(prompt_ids[-16:],
+                                                            skip_special_tokens=False)
+        return reasoning_format(self.reasoning_parser, tail)
+
+    @functools.cached_property
+    def template_takes_thinking(self) -> bool:
+        """Whether the chat template reads `enable_thinking` (Qwen3, SmolLM3)."""
+        return "enable_thinking" in (self.tokenizer.chat_template or "")
 
     def check_model(self, name: str | None) -> str:
         """The served name a request addresses; 404 for any other."""

@@ -24,6 +24,8 @@ TOOLS_POSTAMBLE = (
     '<tool_call>{"name": "...", "arguments": {...}}</tool_call>'
 )
 _TEXT_PARTS = ("text", "input_text")
+# What the server itself passes to every template render: not a client's to set.
+_RENDER_ARGUMENTS = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")
 
 
 def _json(value: Any) -> str:
@@ -88,6 +90,8 @@ def message_dicts(
             item["name"] = message.name
         if message.tool_call_id is not None:
             item["tool_call_id"] = message.tool_call_id
+        if message.reasoning_content is not None and "reasoning_content" in template:
+            item["reasoning_content"] = message.reasoning_content
         if message.tool_calls:
             if template_calls:
                 item["tool_calls"] = message.tool_calls
@@ -104,10 +108,25 @@ def message_dicts(
     return result
 
 
+def template_arguments(template: str, arguments: dict[str, Any] | None,
+                       param: str = "chat_template_kwargs") -> dict[str, Any]:
+    """A client's extra template arguments, checked: 400 for one the server sets itself or
+    one this template never reads (it would be ignored)."""
+    for name in arguments or {}:
+        if name in _RENDER_ARGUMENTS:
+            raise bad_request(f"{param}: {name!r} is set by the server", param)
+        if name not in template:
+            raise bad_request(f"{param}: this model's chat template does not read {name!r}",
+                              param)
+    return dict(arguments or {})
+
+
 def render_chat(
-    tokenizer: ChatTokenizer, messages: list[ChatMessage], tools: list[dict[str, Any]] | None
+    tokenizer: ChatTokenizer, messages: list[ChatMessage], tools: list[dict[str, Any]] | None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
-    """Prompt token ids of a conversation, ending with the assistant's turn opening.
+    """Prompt token ids of a conversation, ending with the assistant's turn opening;
+    `template_kwargs` go to the template as extra arguments (`template_arguments`).
 
     Raises APIError(400) when the template cannot render the conversation.
     """
@@ -115,8 +134,10 @@ def render_chat(
     if not template:
         raise bad_request("this model has no chat template; use /v1/completions", "messages")
     dicts = message_dicts(messages, tools, template)
+    extra = template_arguments(template, template_kwargs)
     try:
-        return tokenizer.encode_chat(dicts, tools if tools and "tools" in template else None)
+        return tokenizer.encode_chat(dicts, tools if tools and "tools" in template else None,
+                                     **extra)
     except (jinja2.TemplateError, TypeError, ValueError, KeyError) as exc:
         # Templates reject some conversations themselves (raise_exception), e.g. roles out
         # of order; that is the client's input, not a server fault.

@@ -9,6 +9,7 @@ import functools
 from dataclasses import dataclass
 
 from radixserve.provider_caching.preambles import Preamble, preamble_table
+from radixserve.server.reasoning import REASONING_PARSERS
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 CACHE_ACCOUNTING_MODES = ("engine", "vendor")
@@ -59,6 +60,9 @@ class ServerSettings:
     # The tool-call format read from model output (`tool_calls.parsers.PARSERS`); None: chosen from
     # the chat template.
     tool_call_parser: str | None = None
+    # How reasoning is read from replies (`reasoning.REASONING_PARSERS`): "auto" takes the
+    # model family's format (or `think` where the chat template writes think tags).
+    reasoning_parser: str = "auto"
     # "vllm": /metrics also exports `vllm:` twins of the metrics vLLM has (metrics_compat).
     metrics_compat: str | None = None
     # The Responses API's store of responses as tokens (`response_store`): its directory (None:
@@ -104,6 +108,8 @@ class ServerSettings:
             raise ValueError("responses_ttl and responses_max_mb must be > 0")
         if self.metrics_compat is not None and self.metrics_compat not in METRICS_COMPAT_MODES:
             raise ValueError(f"metrics_compat must be one of {METRICS_COMPAT_MODES}")
+        if self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS}")
         if self.max_tokens_policy not in MAX_TOKENS_POLICIES:
             raise ValueError(f"max_tokens_policy must be one of {MAX_TOKENS_POLICIES}")
         if self.cache_accounting == "vendor" and not self.strip_preambles:

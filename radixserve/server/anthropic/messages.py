@@ -33,6 +33,7 @@ from radixserve.server.auth import CacheNamespace, cache_namespace
 from radixserve.server.context import ServerContext
 from radixserve.server.errors import APIError, bad_request
 from radixserve.server.exchange import Delta, Exchange, handle
+from radixserve.server.reasoning import NoReasoning, ReasoningFormat, ReasoningStream
 from radixserve.server.serving import Job
 from radixserve.server.tool_calls.tools import (
     CallReading,
@@ -49,9 +50,9 @@ COST_HEADER = "x-radixserve-cost-usd"
 CONTEXT_EDIT_HEADER = "x-radixserve-context-edited-from"
 # A per-request preamble was taken out before rendering: "NAME (PATH, N tokens)".
 PREAMBLE_HEADER = "x-radixserve-preamble-stripped"
-# Extended thinking (or output_config.effort) asked of a model without a reasoning mode:
-# served as a plain answer, and the response says so here (refusing it would lock out
-# clients that send it by default).
+# What became of `thinking` and output_config.effort: applied (as the template's
+# enable_thinking), or ignored on a model without a reasoning mode, which is served a plain
+# answer (refusing would lock out clients that send thinking by default).
 THINKING_HEADER = "x-radixserve-thinking"
 THINKING_IGNORED = "ignored: this model has no reasoning mode"
 TOOL_CALL_FORMAT = "hermes"
@@ -94,15 +95,36 @@ async def prepare_message(ctx: ServerContext, request: Request, raw: bytes) -> M
     headers = request_headers(prompt, not_applied(body, request.headers.get("anthropic-beta")))
     if 0 < params.max_tokens < body.max_tokens:
         headers[MAX_TOKENS_HEADER] = f"{body.max_tokens}->{params.max_tokens}"
-    if thinking_asked(body):
-        headers[THINKING_HEADER] = THINKING_IGNORED
+    if (note := thinking_note(ctx, body)) is not None:
+        headers[THINKING_HEADER] = note
     for stripped, tokens in prompt.stripped:
         ctx.metrics.preamble_stripped(stripped.name, tokens)
     return MessagesExchange(ledger, prompt, params, namespace, bool(body.stream),
                             prewarm=body.max_tokens == 0,
                             calls=call_reading(tools, choice, TOOL_CALL_FORMAT,
                                                ctx.engine.grammars),
-                            headers=headers)
+                            headers=headers, reasoning=ctx.reasoning_format(prompt.token_ids,
+                                                                     structured is not None))
+
+
+def thinking_note(ctx: ServerContext, body: MessagesRequest) -> str | None:
+    """THINKING_HEADER's value: what the server did with `thinking` and effort; None when
+    the request set neither."""
+    if ctx.reasoning_parser == "none":
+        return THINKING_IGNORED if thinking_asked(body) else None
+    notes = []
+    thinking = body.thinking or {}
+    if "type" in thinking:
+        if ctx.template_takes_thinking:
+            notes.append(f"applied: enable_thinking={str(thinking['type'] != 'disabled').lower()}")
+        else:
+            notes.append(f"{thinking['type']} not applied: the chat template has no thinking "
+                         "switch (the model reasons as it was trained to)")
+        if "budget_tokens" in thinking:
+            notes.append("budget_tokens not enforced (max_tokens bounds reasoning and answer)")
+    if "effort" in (body.output_config or {}):
+        notes.append("output_config.effort ignored: this model has no effort setting")
+    return "; ".join(notes) or None
 
 
 def prompt_notes(prompt: PreparedPrompt) -> tuple[str, ...]:
@@ -152,10 +174,18 @@ class MessagesExchange(Exchange):
 
     def __init__(self, ledger: CacheLedger, prompt: PreparedPrompt, params: SamplingParams,
                  namespace: CacheNamespace, stream: bool, prewarm: bool,
-                 calls: CallReading | None = None, headers: dict[str, str] | None = None
-                 ) -> None:
+                 calls: CallReading | None = None, headers: dict[str, str] | None = None,
+                 reasoning: ReasoningFormat | None = None) -> None:
         super().__init__(new_message_id(), stream)
         self.calls = calls  # how tool calls are read; None: the text is all content
+        # The reply's reasoning becomes a thinking block before the answer's blocks; the
+        # stream opens its first block once it knows which it is.
+        self.reasoning = reasoning or NoReasoning()
+        self._thinking = None if isinstance(self.reasoning, NoReasoning) else \
+            ReasoningStream(self.reasoning)
+        self._thinking_open = False
+        self._answer_open = False
+        self._text_sent = 0
         self.headers = headers or {}  # what the server did to the request (request_headers)
         self._blocks = StreamBlocks(calls)
         self.request_id = new_request_id()  # the `request-id` header, as the vendor sends
@@ -187,15 +217,18 @@ class MessagesExchange(Exchange):
             return self._with_edits(message_body(self.response_id, self.prompt.model, [],
                                                  "max_tokens", None, usage, 0))
         stop_reason, stop_sequence = stop_fields(sample)
-        content: list[dict[str, Any]] = [{"type": "text", "text": sample.text}]
+        split = self.reasoning.split(sample.text, final=True)
+        thinking = [_thinking_block(split.reasoning)] if split.reasoning_end else []
+        content: list[dict[str, Any]] = [{"type": "text", "text": split.content}]
         if self.calls is not None:
-            parsed = self.calls.parse(sample.text)
+            parsed = self.calls.parse(split.content)
             if parsed.calls:
                 content = [{"type": "text", "text": parsed.content}] + [
                     {"type": "tool_use", "id": _tool_use_id(), "name": call.name,
                      "input": json.loads(call.arguments)} for call in parsed.calls]
                 stop_reason = "tool_use" if stop_reason == "end_turn" else stop_reason
-        content = [block for block in content if block["type"] != "text" or block["text"]]
+        content = thinking + [block for block in content
+                              if block["type"] != "text" or block["text"]]
         return self._with_edits(message_body(self.response_id, self.prompt.model, content,
                                              stop_reason, stop_sequence, usage,
                                              len(sample.token_ids)))
@@ -218,12 +251,15 @@ class MessagesExchange(Exchange):
         message = {"id": self.response_id, "type": "message", "role": "assistant",
                    "model": self.prompt.model, "content": [], "stop_reason": None,
                    "stop_sequence": None, "usage": self._start_usage}
-        return [_event({"type": "message_start", "message": message}),
-                _event({"type": "content_block_start", "index": 0,
-                        "content_block": {"type": "text", "text": ""}}),
+        first = [] if self._thinking is not None else [
+            _event({"type": "content_block_start", "index": 0,
+                    "content_block": {"type": "text", "text": ""}})]
+        return [_event({"type": "message_start", "message": message}), *first,
                 _event({"type": "ping"})]
 
     def delta_event(self, delta: Delta) -> bytes | None:
+        if self._thinking is not None:
+            return b"".join(self._reasoning_events(delta)) or None
         if self.calls is None:
             if not delta.text:
                 return None
@@ -233,6 +269,41 @@ class MessagesExchange(Exchange):
         final = sample.finish_reason is not None
         visible = sample.text if final else sample.text[: delta.text_offset + len(delta.text)]
         return b"".join(self._blocks.events(visible, final)) or None
+
+    def _reasoning_events(self, delta: Delta) -> list[bytes]:
+        """A thinking block (index 0) while the reply reasons, then the answer's blocks."""
+        assert self._thinking is not None
+        sample = delta.sample
+        final = sample.finish_reason is not None
+        visible = sample.text if final else sample.text[: delta.text_offset + len(delta.text)]
+        split = self._thinking.feed(visible, final)
+        out = []
+        if split.reasoning:
+            if not self._thinking_open:
+                self._thinking_open = True
+                out.append(_event({"type": "content_block_start", "index": 0,
+                                   "content_block": _thinking_block("")}))
+            out.append(_event({"type": "content_block_delta", "index": 0, "delta": {
+                "type": "thinking_delta", "thinking": split.reasoning}}))
+        starts = split.content_so_far or (final and not self._thinking_open)
+        if split.reasoning_done and starts and not self._answer_open:
+            self._answer_open = True
+            index = 1 if self._thinking_open else 0
+            if self._thinking_open:
+                out.append(_event({"type": "content_block_stop", "index": 0}))
+            out.append(_event({"type": "content_block_start", "index": index,
+                               "content_block": {"type": "text", "text": ""}}))
+            self._blocks = StreamBlocks(self.calls, index)
+        if not self._answer_open:
+            return out
+        if self.calls is not None:
+            return out + self._blocks.events(split.content_so_far, final)
+        text = split.content_so_far[self._text_sent:]
+        self._text_sent = len(split.content_so_far)
+        if text:
+            out.append(_event({"type": "content_block_delta", "index": self._blocks.index,
+                               "delta": {"type": "text_delta", "text": text}}))
+        return out
 
     def closing_events(self, finals: list[RequestOutput]) -> list[bytes]:
         sample = finals[0].outputs[0]
@@ -253,6 +324,12 @@ class MessagesExchange(Exchange):
         return [_event(error_body(error))]  # {"type": "error", "error": {...}}
 
 
+def _thinking_block(thinking: str) -> dict[str, Any]:
+    # The vendor signs its thinking so it can check blocks sent back; nothing here verifies
+    # them (thinking blocks sent back are rendered as text), so the signature is empty.
+    return {"type": "thinking", "thinking": thinking, "signature": ""}
+
+
 def _tool_use_id() -> str:
     return f"toolu_{uuid.uuid4().hex[:24]}"
 
@@ -264,10 +341,10 @@ class StreamBlocks:
     stream is incremental); text after a call opens a new text block. Opening a block stops
     the open one; `index` is the open block, which the closing events stop."""
 
-    def __init__(self, calls: CallReading | None) -> None:
+    def __init__(self, calls: CallReading | None, index: int = 0) -> None:
         self._calls = calls
         self._parser = calls.stream() if calls is not None else None
-        self.index = 0
+        self.index = index
         self._text_open = True
         self.called = False
 

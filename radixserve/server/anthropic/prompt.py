@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import jinja2
@@ -107,20 +107,33 @@ def _shown_messages(data: dict[str, Any]) -> dict[str, Any]:
     return data if len(shown) == len(messages) else {**data, "messages": shown}
 
 
-def _prompt_length(tokenizer: ChatTokenizer, data: dict[str, Any]) -> int:
+def thinking_arguments(ctx: ServerContext, thinking: dict[str, Any] | None
+                       ) -> tuple[tuple[str, Any], ...]:
+    """`thinking` as the chat template's `enable_thinking` where the template reads it:
+    disabled is False, enabled or adaptive True; unset leaves the template's default."""
+    kind = (thinking or {}).get("type")
+    if kind is None or not ctx.template_takes_thinking:
+        return ()
+    return (("enable_thinking", kind != "disabled"),)
+
+
+def _prompt_length(tokenizer: ChatTokenizer, data: dict[str, Any],
+                   template_args: tuple[tuple[str, Any], ...]) -> int:
     try:
         request = render_request(data, "anthropic")
     except BodyError as exc:
         raise bad_request(str(exc)) from None
-    return len(_render(tokenizer, chat_prompt(request), ())[0].token_ids)
+    prompt = replace(chat_prompt(request), template_args=template_args)
+    return len(_render(tokenizer, prompt, ())[0].token_ids)
 
 
 def _prepare(tokenizer: ChatTokenizer, name: str, data: dict[str, Any],
-             stripped: list[StrippedPreamble], edits: tuple[Edit, ...] | None) -> PreparedPrompt:
+             stripped: list[StrippedPreamble], edits: tuple[Edit, ...] | None,
+             template_args: tuple[tuple[str, Any], ...] = ()) -> PreparedPrompt:
     """`edits` None: the request has no context_management (and its response says nothing)."""
     edited = None
     if edits is not None:
-        edited = apply_edits(data, edits, lambda d: _prompt_length(tokenizer, d))
+        edited = apply_edits(data, edits, lambda d: _prompt_length(tokenizer, d, template_args))
         data = edited.body
     try:
         request = render_request(data, "anthropic")
@@ -129,7 +142,8 @@ def _prepare(tokenizer: ChatTokenizer, name: str, data: dict[str, Any],
         raise bad_request(exc.message) from None
     except BodyError as exc:
         raise bad_request(str(exc)) from None
-    rendered, offsets = _render(tokenizer, chat_prompt(request), breakpoints)
+    prompt = replace(chat_prompt(request), template_args=template_args)
+    rendered, offsets = _render(tokenizer, prompt, breakpoints)
     layout = build_layout(request, breakpoints, offsets, len(rendered.token_ids),
                           namespace=name, token_ids=rendered.token_ids)
     pins = tuple((bp.tokens, TTL_SECONDS[bp.ttl]) for bp in layout.breakpoints if bp.tokens > 0)
@@ -152,5 +166,6 @@ async def prepare_prompt(ctx: ServerContext, raw: bytes,
     if data.get("context_management") is not None:
         thinking_on = (body.thinking or {}).get("type") in ("enabled", "adaptive")
         edits = parse_context_management(data["context_management"], thinking_on)
-    prepared = await asyncio.to_thread(_prepare, ctx.tokenizer, name, data, stripped, edits)
+    prepared = await asyncio.to_thread(_prepare, ctx.tokenizer, name, data, stripped, edits,
+                                       thinking_arguments(ctx, body.thinking))
     return body, prepared

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
 
-from radixserve.outputs import CompletionOutput
+from radixserve.outputs import CompletionOutput, RequestOutput
 from radixserve.server.auth import cache_namespace
 from radixserve.server.context import ServerContext
 from radixserve.server.exchange import Delta, handle
@@ -22,6 +23,12 @@ from radixserve.server.openai.protocol import (
 )
 from radixserve.server.preamble_strip import strip_chat_preamble
 from radixserve.server.prompts import render_chat
+from radixserve.server.reasoning import (
+    NoReasoning,
+    ReasoningFormat,
+    ReasoningStream,
+    reasoning_tokens,
+)
 from radixserve.server.serving import Job
 from radixserve.server.tool_calls.constraints import response_format_constraint
 from radixserve.server.tool_calls.parsers import ToolCall, ToolCallStream
@@ -54,13 +61,15 @@ async def prepare_chat(ctx: ServerContext, request: Request, raw: bytes) -> Chat
     if (extension := body.extension_constraint()) is not None:
         formats.append(extension)
     structured = turn_constraint(formats, tools, choice, family, '"none"')
-    prompt_ids = await asyncio.to_thread(render_chat, ctx.tokenizer, body.messages, body.tools)
+    prompt_ids = await asyncio.to_thread(render_chat, ctx.tokenizer, body.messages, body.tools,
+                                         body.chat_template_kwargs)
     params = checked_sampling_params(ctx, body, prompt_ids,
                                      body.max_completion_tokens or body.max_tokens, "messages",
                                      structured)
     namespace = cache_namespace(ctx.settings, request.state.api_key, body.cache_salt)
     reading = call_reading(tools, choice, family, ctx.engine.grammars)
-    return ChatExchange(ctx, model, flags, [Job(prompt_ids, params, namespace)], reading)
+    return ChatExchange(ctx, model, flags, [Job(prompt_ids, params, namespace)], reading,
+                        ctx.reasoning_format(prompt_ids, structured is not None))
 
 
 def _tool_call(call_id: str, call: ToolCall) -> dict[str, Any]:
@@ -68,16 +77,31 @@ def _tool_call(call_id: str, call: ToolCall) -> dict[str, Any]:
             "function": {"name": call.name, "arguments": call.arguments}}
 
 
+@dataclass
+class _ChoiceStream:
+    """One streamed choice's readers: its reasoning, then its answer's tool calls."""
+
+    reasoning: ReasoningStream
+    calls: ToolCallStream | None
+    content_sent: int = 0  # of the answer, when there are no tools
+
+
 class ChatExchange(OpenAIExchange):
+    """The reasoning (`reasoning_content`, vLLM's and DeepSeek's field) is split from each
+    choice first; the tool-call reader sees only the answer after it."""
+
     id_prefix = "chatcmpl"
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
     def __init__(self, ctx: ServerContext, model: str, flags: tuple[bool, bool],
-                 jobs: list[Job], calls: CallReading | None = None) -> None:
+                 jobs: list[Job], calls: CallReading | None = None,
+                 reasoning: ReasoningFormat | None = None) -> None:
         super().__init__(ctx, model, flags, jobs)
         self.calls = calls  # how tool calls are read; None: the text is all content
-        self._streams: dict[int, ToolCallStream] = {}  # per choice, when streaming with tools
+        self.reasoning = reasoning or NoReasoning()
+        self._plain = calls is None and isinstance(self.reasoning, NoReasoning)
+        self._streams: dict[int, _ChoiceStream] = {}  # per choice, unless plain
         self._call_ids: dict[tuple[int, int], str] = {}  # (choice, call) -> its id
 
     def _call_id(self, sample: int, call: int) -> str:
@@ -91,10 +115,14 @@ class ChatExchange(OpenAIExchange):
         logprobs = None
         if self.wants_logprobs(job):
             logprobs = chat_logprobs(sample.logprobs or [], sample.token_ids, self.ctx.token_text)
-        message: dict[str, Any] = {"role": "assistant", "content": sample.text, "refusal": None}
+        split = self.reasoning.split(sample.text, final=True)
+        message: dict[str, Any] = {"role": "assistant", "content": split.content,
+                                   "refusal": None}
+        if not isinstance(self.reasoning, NoReasoning):
+            message["reasoning_content"] = split.reasoning or None
         calls: list[ToolCall] = []
         if self.calls is not None:
-            parsed = self.calls.parse(sample.text)
+            parsed = self.calls.parse(split.content)
             calls = parsed.calls
             if calls:
                 message["content"] = parsed.content or None
@@ -103,19 +131,38 @@ class ChatExchange(OpenAIExchange):
         return {"index": sample.index, "message": message, "logprobs": logprobs,
                 "finish_reason": self._finish_reason(sample, bool(calls))}
 
-    def _tool_delta(self, delta: Delta) -> tuple[dict[str, Any], bool]:
-        """The delta of a streamed choice with tools: content outside calls, call deltas (the
-        first of each with its id and name, later ones adding to its arguments), and whether
-        the choice has called a tool."""
-        assert self.calls is not None
+    def reasoning_tokens(self, finals: list[RequestOutput]) -> int:
+        decode = self.ctx.tokenizer.decode
+        return sum(reasoning_tokens(sample.token_ids,
+                                    self.reasoning.split(sample.text, final=True), decode)
+                   for final in finals for sample in final.outputs)
+
+    def _split_delta(self, delta: Delta) -> tuple[dict[str, Any], bool]:
+        """The delta of a streamed choice with reasoning or tools: reasoning, then the
+        answer's content outside calls and its call deltas (the first of each with its id and
+        name, later ones adding to its arguments), and whether the choice has called a
+        tool."""
         sample = delta.sample
         stream = self._streams.get(sample.index)
         if stream is None:
-            stream = self._streams[sample.index] = self.calls.stream()
+            stream = self._streams[sample.index] = _ChoiceStream(
+                ReasoningStream(self.reasoning),
+                self.calls.stream() if self.calls is not None else None)
         final = sample.finish_reason is not None
         visible = sample.text if final else sample.text[: delta.text_offset + len(delta.text)]
-        update = stream.feed(visible, final)
-        body: dict[str, Any] = {"content": update.content} if update.content else {}
+        split = stream.reasoning.feed(visible, final)
+        body: dict[str, Any] = {"reasoning_content": split.reasoning} if split.reasoning else {}
+        if stream.calls is None or self.calls is None:
+            content = split.content_so_far[stream.content_sent:]
+            stream.content_sent = len(split.content_so_far)
+            if content:
+                body["content"] = content
+            return body, False
+        if not split.reasoning_done:
+            return body, False
+        update = stream.calls.feed(split.content_so_far, final)
+        if update.content:
+            body["content"] = update.content
         calls = [d for d in update.calls if self.calls.keeps(d.index)]
         if calls:
             body["tool_calls"] = [
@@ -133,7 +180,7 @@ class ChatExchange(OpenAIExchange):
                 for i in range(self.jobs[0].params.n)]
 
     def delta_event(self, delta: Delta) -> bytes | None:
-        if self.calls is None:
+        if self._plain:
             return super().delta_event(delta)
         # Text held back as a possible call start, or a call's tokens before it closes: no
         # chunk until there is something to send.
@@ -147,8 +194,8 @@ class ChatExchange(OpenAIExchange):
         sample, span = delta.sample, slice(delta.token_start, delta.token_end)
         body: dict[str, Any] = {"content": delta.text} if delta.text else {}
         called = False
-        if self.calls is not None:
-            body, called = self._tool_delta(delta)
+        if not self._plain:
+            body, called = self._split_delta(delta)
         return {"index": sample.index, "delta": body,
                 "logprobs": chat_logprobs((sample.logprobs or [])[span], sample.token_ids[span],
                                           self.ctx.token_text) if logprobs else None,

@@ -27,10 +27,10 @@ def stream_flags(body: GenerationRequest) -> tuple[bool, bool]:
     return bool(body.stream), include_usage
 
 
-def usage_of(finals: list[RequestOutput]) -> dict[str, Any]:
+def usage_of(finals: list[RequestOutput], reasoning_tokens: int = 0) -> dict[str, Any]:
     return usage_body(sum(len(f.prompt_token_ids) for f in finals),
                       sum(len(s.token_ids) for f in finals for s in f.outputs),
-                      sum(f.num_cached_tokens for f in finals))
+                      sum(f.num_cached_tokens for f in finals), reasoning_tokens)
 
 
 class OpenAIExchange(Exchange):
@@ -60,6 +60,10 @@ class OpenAIExchange(Exchange):
     def choice_delta(self, delta: Delta, logprobs: bool) -> dict[str, Any]:
         """One choice of a stream chunk; `logprobs`: with those of the delta's tokens."""
 
+    def reasoning_tokens(self, finals: list[RequestOutput]) -> int:
+        """How many of the output tokens were reasoning (usage's reasoning_tokens)."""
+        return 0
+
     def wants_logprobs(self, job: int) -> bool:
         return self.jobs[job].params.logprobs is not None
 
@@ -68,7 +72,7 @@ class OpenAIExchange(Exchange):
                    for sample in final.outputs]
         return {"id": self.response_id, "object": self.object_name, "created": self.created,
                 "model": self.model, "choices": choices, "system_fingerprint": None,
-                "usage": usage_of(finals)}
+                "usage": usage_of(finals, self.reasoning_tokens(finals))}
 
     def chunk(self, choices: list[dict[str, Any]], **usage: Any) -> bytes:
         head: dict[str, Any] = {"id": self.response_id, "object": self.chunk_object_name,
@@ -85,7 +89,8 @@ class OpenAIExchange(Exchange):
         return self.chunk([self.choice_delta(delta, logprobs)])
 
     def closing_events(self, finals: list[RequestOutput]) -> list[bytes]:
-        usage = [self.chunk([], usage=usage_of(finals))] if self.include_usage else []
+        usage = [self.chunk([], usage=usage_of(finals, self.reasoning_tokens(finals)))
+                 ] if self.include_usage else []
         return [*usage, SSE_DONE]
 
     def error_events(self, error: APIError) -> list[bytes]:

@@ -69,6 +69,8 @@ class ChatMessage(StrictModel):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
+    # An earlier assistant turn's reasoning, sent back; templates that read it render it.
+    reasoning_content: str | None = None
 
 
 class GenerationRequest(ConstraintFields):
@@ -140,6 +142,8 @@ class ChatCompletionRequest(GenerationRequest):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
+    # Extra arguments to the chat template (vLLM's field), e.g. {"enable_thinking": false}.
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def top_logprob_count(self) -> int | None:
         if self.top_logprobs and not self.logprobs:
@@ -178,14 +182,15 @@ class CompletionRequest(GenerationRequest):
 # ----- response bodies -----
 
 
-def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int,
+               reasoning_tokens: int = 0) -> dict[str, Any]:
     """Chat/completions `usage`; the details objects are always present, zeros included."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens, "audio_tokens": 0},
-        "completion_tokens_details": {"reasoning_tokens": 0, "audio_tokens": 0,
+        "completion_tokens_details": {"reasoning_tokens": reasoning_tokens, "audio_tokens": 0,
                                       "accepted_prediction_tokens": 0,
                                       "rejected_prediction_tokens": 0},
     }
