@@ -90,6 +90,20 @@ def test_drain_rate_counts_busy_time_only() -> None:
     assert rate.tokens_per_s == pytest.approx(200.0)
 
 
+def test_a_stalled_engine_lowers_the_drain_rate_while_it_stalls() -> None:
+    clock = Clock()
+    rate = DrainRate(prior=50.0, clock=clock)
+    rate.busy()
+    for _ in range(4):
+        clock.now += 0.5
+        rate.observe(100)
+    assert rate.tokens_per_s == pytest.approx(200.0)
+    clock.now += 8.0  # nothing started for 8 s with work waiting
+    assert rate.tokens_per_s == pytest.approx(400 / 10.0)
+    rate.observe(100)  # the stall ends: the long interval is one sample among the others
+    assert rate.tokens_per_s == pytest.approx(500 / 10.0)
+
+
 def test_anthropic_routes_refuse_with_529() -> None:
     admission = Admission(AdmissionLimits(max_queued_requests=1, max_queue_wait_s=0))
     admission.enter("a", 100)

@@ -125,11 +125,11 @@ def test_over_limit_requests_get_429_and_529_then_sdk_retries_succeed(
         rejected = _rejected(server)
         retried = [
             pool.submit(lambda: openai.OpenAI(
-                base_url=server.base_url + "/v1", api_key=KEYS[0], max_retries=50, timeout=60
+                base_url=server.base_url + "/v1", api_key=KEYS[0], max_retries=8, timeout=60
             ).chat.completions.create(model=MODEL, max_tokens=2, messages=[
                 {"role": "user", "content": "hi"}]).choices[0].finish_reason),
             pool.submit(lambda: anthropic.Anthropic(
-                base_url=server.base_url, api_key=KEYS[0], max_retries=50, timeout=60
+                base_url=server.base_url, api_key=KEYS[0], max_retries=8, timeout=60
             ).messages.create(model=MODEL, max_tokens=2, messages=[
                 {"role": "user", "content": "hi"}]).stop_reason)]
         _until(lambda: _rejected(server) >= rejected + 2)  # both were refused at least once

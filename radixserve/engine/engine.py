@@ -191,11 +191,13 @@ class LLMEngine:
         request_id: str | None = None,
         namespace: Hashable = None,
         pins: list[tuple[int, float]] | None = None,
+        counted: bool = True,
     ) -> str:
         """Queues a prompt (text or token ids); returns its id. Raises ValueError on bad input.
 
         `namespace` (a tenant's cache_salt) keeps its cache entries apart from other tenants'.
         `pins` are (prompt offset, TTL seconds) breakpoints whose prefixes stay cached that long.
+        `counted=False` keeps the server's own requests (health probes) out of the counters.
         """
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.groups:
@@ -213,7 +215,8 @@ class LLMEngine:
         group = [
             Request(f"{request_id}-{i}" if params.n > 1 else request_id, ids, params,
                     namespace=(self.config.model, namespace), prompt=text, sample_index=i,
-                    arrival_time=self.clock(), pins=list(pins or []), group_id=request_id)
+                    arrival_time=self.clock(), pins=list(pins or []), group_id=request_id,
+                    counted=counted)
             for i in range(params.n)
         ]
         if params.structured_outputs is not None:

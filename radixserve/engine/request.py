@@ -64,6 +64,9 @@ class Request:
     # cache_control breakpoints still to pin: (prompt token offset, TTL in seconds). The prefix
     # up to each offset is pinned in the cache once published, until arrival + TTL.
     pins: list[tuple[int, float]] = field(default_factory=list)
+    # False for the server's own requests (health probes, warm-up): they run like any other
+    # but stay out of the cache counters, which describe the clients' traffic.
+    counted: bool = True
     generator: torch.Generator | None = None
     # The disk tier's keys of this request's full blocks so far, and how many leading blocks
     # were handed to the tier already (see radixserve/engine/kv_offload.py).

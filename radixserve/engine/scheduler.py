@@ -205,7 +205,8 @@ class Scheduler:
         the cache at once, so concurrent requests hit it instead of computing it again."""
         for chunk in plan.prefills:
             chunk.request.num_computed += chunk.num_tokens
-            self.counters.computed_prompt_tokens += chunk.num_tokens
+            if chunk.request.counted:
+                self.counters.computed_prompt_tokens += chunk.num_tokens
             self.publish(chunk.request)
         for request in plan.decodes:
             request.num_computed += 1
@@ -309,7 +310,7 @@ class Scheduler:
         if request.num_cached_tokens is None:
             request.num_cached_tokens = request.num_computed
             request.metrics.first_scheduled_time = self.clock()
-            if reads_cache:
+            if reads_cache and request.counted:
                 self.counters.prefix_cache_queries += len(request.prompt_token_ids)
                 self.counters.prefix_cache_hits += request.num_computed
                 self.counters.kv_tier_hits += loaded

@@ -81,10 +81,14 @@ class DrainRate:
 
     @property
     def tokens_per_s(self) -> float:
+        tokens = sum(t for _, t in self._samples)
         seconds = sum(s for s, _ in self._samples)
         if len(self._samples) < 4 or seconds <= 0.05:
-            return self.prior
-        return sum(t for _, t in self._samples) / seconds
+            tokens, seconds = self.prior, 1.0  # the prior weighs as one second of measurement
+        # The time since the last start counts too: an engine that has stalled (or is deep in
+        # one long prefill) drains nothing, and the waits it is asked to estimate grow with it.
+        open_s = self.clock() - self._since if self._since is not None else 0.0
+        return tokens / (seconds + open_s)
 
 
 @dataclass

@@ -80,7 +80,7 @@ class Readiness:
         params = SamplingParams(max_tokens=1, temperature=0.0)
         nonce = uuid.uuid4().hex[:12]
         outputs = ctx.aengine.generate(ids, params, f"probe-{nonce}",
-                                       namespace=f"{PROBE_NAMESPACE}/{nonce}")
+                                       namespace=f"{PROBE_NAMESPACE}/{nonce}", counted=False)
         with contextlib.suppress(StopAsyncIteration):
             async for _ in outputs:
                 pass
