@@ -138,10 +138,16 @@ def _chat_ok(base_url: str, content: str = "ping") -> bool:
 
 
 def _cached_share(base_url: str, prefix: str) -> float:
-    response = httpx.post(base_url + "/v1/chat/completions", timeout=60, trust_env=False,
-                          json={"model": MODEL, "max_tokens": 1, "messages": [
-                              {"role": "system", "content": prefix},
-                              {"role": "user", "content": f"probe {random.randrange(10**6)}"}]})
+    body = {"model": MODEL, "max_tokens": 1, "messages": [
+        {"role": "system", "content": prefix},
+        {"role": "user", "content": f"probe {random.randrange(10**6)}"}]}
+    for _ in range(30):  # under load admission may refuse it: wait as it asks, as an SDK would
+        response = httpx.post(base_url + "/v1/chat/completions", timeout=120, trust_env=False,
+                              json=body)
+        if response.status_code != 429:
+            break
+        time.sleep(int(response.headers.get("retry-after-ms", "1000")) / 1000)
+    response.raise_for_status()
     usage = response.json()["usage"]
     return usage["prompt_tokens_details"]["cached_tokens"] / usage["prompt_tokens"]
 
