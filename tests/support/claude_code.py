@@ -17,16 +17,17 @@ NOT_INSTALLED = "Claude Code is not installed: run `make claude-code` (needs npm
 # Offline and small: no telemetry, no update checks, no side requests, short answers.
 CLIENT_ENV = {"DISABLE_TELEMETRY": "1", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
               "DISABLE_AUTOUPDATER": "1", "DISABLE_ERROR_REPORTING": "1",
-              "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "32", "ANTHROPIC_API_KEY": "sk-local"}
+              "ANTHROPIC_API_KEY": "sk-local"}
 CLI_TIMEOUT_S = 600  # a cold 3,000-token prefill on a loaded 2-core machine
 
 
 def claude(server: ServerProcess, home: Path, model: str, prompt: str, *flags: str,
-           timeout_s: float = CLI_TIMEOUT_S) -> dict:
+           timeout_s: float = CLI_TIMEOUT_S, max_output_tokens: int = 32) -> dict:
     """One `claude -p` invocation in `home` (its sessions live there: `--continue` goes on
     the latest); its JSON result."""
     env = {"PATH": os.environ.get("PATH", ""), "HOME": str(home),
-           "ANTHROPIC_BASE_URL": server.base_url, **CLIENT_ENV}
+           "ANTHROPIC_BASE_URL": server.base_url, **CLIENT_ENV,
+           "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(max_output_tokens)}
     done = subprocess.run(
         [str(CLAUDE), "-p", "--output-format", "json", "--model", model, *flags, prompt],
         env=env, cwd=home, capture_output=True, text=True, timeout=timeout_s)
