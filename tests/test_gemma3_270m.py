@@ -79,6 +79,7 @@ def test_the_tokenizer_matches_transformers_and_adds_one_bos(path: Path) -> None
     assert {1, 106} <= tokenizer.stop_token_ids  # <eos>, <end_of_turn>
 
 
+@pytest.mark.slow  # transformers dequantizes the whole file in numpy (a minute or more)
 @pytest.mark.parametrize("quantization", ["none", "auto"])
 def test_greedy_output_agrees_with_transformers(path, hf, prompt, quantization) -> None:
     llm = LLM(str(path), quantization=quantization, max_model_len=4096)
