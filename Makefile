@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test test-fast install model lint bench clean browser claude-code
+.PHONY: serve test test-fast install model model-gemma3 lint bench clean browser claude-code
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,10 +18,14 @@ install: $(STAMP)
 model: $(STAMP)
 	$(PY) -m radixserve.cli model pull
 
+# The 32k-context model of the long-prompt tests (Gemma 3 270M, Q4_K_M, 241 MB).
+model-gemma3: $(STAMP)
+	$(PY) -m radixserve.cli model pull gemma3-270m
+
 serve: model
 	$(PY) -m radixserve.cli serve $(ARGS)
 
-test: model browser claude-code
+test: model model-gemma3 browser claude-code
 	$(PY) -m pytest -q $(ARGS)
 
 # The modules that need neither the default model nor a server process (markers in pyproject.toml).

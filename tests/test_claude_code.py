@@ -7,9 +7,6 @@ prefix from the cache; with it off, it reads almost nothing (the trap and the fi
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,24 +14,20 @@ import httpx
 import pytest
 
 from radixserve.testing.server import ServerProcess
+from tests.support.claude_code import CLAUDE, NOT_INSTALLED, claude, recent
 from tests.support.servers import running_server
 
 pytestmark = [pytest.mark.model, pytest.mark.server]
 
-CLAUDE = Path(__file__).resolve().parent.parent / ".node" / "node_modules" / ".bin" / "claude"
 MODEL = "SmolLM2-135M-Instruct"
-# About 3,000 tokens of rules: Claude Code's own prompt is ~29,000, more than this model holds.
+# About 3,000 tokens of rules: Claude Code's own prompt is ~29,000, more than this model holds
+# (tests/test_claude_code_full_prompt.py sends it to a 32k model).
 SYSTEM_PROMPT = "".join(f"Rule {i}: keep functions short and name things for what they are.\n"
                         for i in range(200))
-# Offline and small: no telemetry, no update checks, no side requests, short answers.
-CLIENT_ENV = {"DISABLE_TELEMETRY": "1", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
-              "DISABLE_AUTOUPDATER": "1", "DISABLE_ERROR_REPORTING": "1",
-              "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "32", "ANTHROPIC_API_KEY": "sk-local"}
-CLI_TIMEOUT_S = 600  # a cold 3,000-token prefill on a loaded 2-core machine
+FLAGS = ("--tools", "", "--system-prompt", SYSTEM_PROMPT)
 
 if not CLAUDE.exists():
-    pytest.skip("Claude Code is not installed: run `make claude-code` (needs npm)",
-                allow_module_level=True)
+    pytest.skip(NOT_INSTALLED, allow_module_level=True)
 
 
 @pytest.fixture(scope="module", params=["strip", "no-strip"])
@@ -43,24 +36,6 @@ def server(request: pytest.FixtureRequest, model_path: Path,
     with running_server(tmp_path_factory, f"--{request.param}-preambles",
                         name=f"claude-code-{request.param}") as proc:
         yield proc
-
-
-def claude(server: ServerProcess, home: Path, prompt: str) -> dict:
-    """One `claude -p` session; its JSON result."""
-    env = {"PATH": os.environ.get("PATH", ""), "HOME": str(home),
-           "ANTHROPIC_BASE_URL": server.base_url, **CLIENT_ENV}
-    done = subprocess.run(
-        [str(CLAUDE), "-p", "--output-format", "json", "--model", MODEL, "--tools", "",
-         "--system-prompt", SYSTEM_PROMPT, prompt],
-        env=env, cwd=home, capture_output=True, text=True, timeout=CLI_TIMEOUT_S)
-    assert done.stdout.strip(), done.stderr
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def recent(server: ServerProcess) -> list[dict]:
-    """The server's requests, oldest first (the dashboard's data)."""
-    rows = httpx.get(server.base_url + "/v1/cache/stats", timeout=60).json()["recent"]
-    return rows[::-1]
 
 
 def shared_prefix_tokens(server: ServerProcess) -> int:
@@ -74,11 +49,11 @@ def shared_prefix_tokens(server: ServerProcess) -> int:
 def test_a_second_session_reads_the_shared_prompt_only_with_the_strip(
         server: ServerProcess, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     strip = request.node.callspec.params["server"] == "strip"
-    claude(server, tmp_path, "Reply with the single word: ready.")
+    claude(server, tmp_path, MODEL, "Reply with the single word: ready.", *FLAGS)
     before = len(recent(server))
     # Claude Code derives the header's suffix from characters of the first message: this one
     # differs there, as two real sessions' first messages do.
-    claude(server, tmp_path, "Greet me in one short line, please.")
+    claude(server, tmp_path, MODEL, "Greet me in one short line, please.", *FLAGS)
     second = recent(server)[before]  # the second session's first request
     shared = shared_prefix_tokens(server)
     assert shared > 2500

@@ -77,6 +77,8 @@ class ModelFamily:
     # tool-call format (server/tool_calls/parsers.py; None: chosen from the chat template).
     reasoning_parser: str = "none"
     tool_call_parser: str | None = None
+    # The family's chat format, for a GGUF file that carries no `tokenizer.chat_template`.
+    chat_template: str | None = None
 
     def hf_name(self, gguf_name: str) -> str:
         """The HF name of a GGUF tensor (unknown ones are an error naming the tensor)."""

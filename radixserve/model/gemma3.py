@@ -36,6 +36,26 @@ LAYERS_27B = 62
 _GEMMA_SHAPE: dict[str, Any] = dict(qk_norm=True, hidden_act="gelu_pytorch_tanh",
                                     sandwich_norms=True)
 
+# Gemma's turn format, for a GGUF that carries no template (llama.cpp's GGUF-my-repo files of
+# the base models): a system message opens the first user turn, the assistant is "model", and
+# a tool result is a user turn (Gemma 3 has no tool role; tools go in as text).
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% set ns = namespace(preamble='') %}"
+    "{% for message in messages %}"
+    "{% if message['content'] is string %}{% set text = message['content'] %}"
+    "{% else %}{% set text = message['content'] | selectattr('type', 'equalto', 'text')"
+    " | map(attribute='text') | join('') %}{% endif %}"
+    "{% if loop.first and message['role'] == 'system' %}"
+    "{% set ns.preamble = text ~ '\n\n' %}"
+    "{% elif message['role'] == 'assistant' %}"
+    "{{ '<start_of_turn>model\n' ~ (text | trim) ~ '<end_of_turn>\n' }}"
+    "{% else %}"
+    "{{ '<start_of_turn>user\n' ~ ns.preamble ~ (text | trim) ~ '<end_of_turn>\n' }}"
+    "{% set ns.preamble = '' %}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+
 
 def _from_hf(raw: dict[str, Any]) -> ModelConfig:
     text = {**TEXT_DEFAULTS, **raw.get("text_config", raw)}
@@ -114,4 +134,5 @@ FAMILY = ModelFamily(
                       "post_attention_norm": "post_attention_layernorm",
                       "post_ffw_norm": "post_feedforward_layernorm"},
     hf_fixup=_hf_fixup,
+    chat_template=CHAT_TEMPLATE,
 )

@@ -100,7 +100,7 @@ def _load_gguf(path: Path, progress: bool, keep: frozenset[str],
     gguf_file = GGUFFile.open(path)
     meta = gguf_file.metadata
     family = gguf_family(meta.get("general.architecture"))
-    tokenizer = load_gguf_tokenizer(meta)
+    tokenizer = load_gguf_tokenizer(meta, family.chat_template)
     config = family.config_from_gguf(GGUFModel(meta, frozenset(gguf_file.tensors)))
     weights: Weights = {}
     tensors = gguf_file.tensors.values()
@@ -164,7 +164,12 @@ def load_tokenizer(path: str | Path) -> ChatTokenizer:
     path = Path(path).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         meta = GGUFFile.open(path).metadata
-        return load_gguf_tokenizer({k: v for k, v in meta.items() if k.startswith("tokenizer.")})
+        try:  # the tokenizer alone reads the files of any architecture
+            template = gguf_family(meta.get("general.architecture")).chat_template
+        except ValueError:
+            template = None
+        return load_gguf_tokenizer({k: v for k, v in meta.items() if k.startswith("tokenizer.")},
+                                   template)
     if path.is_dir():
         return load_hf_tokenizer(path)
     raise FileNotFoundError(f"no .gguf file or HF model directory at {str(path)!r}")

@@ -17,6 +17,8 @@ import jinja2
 import jinja2.sandbox
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
+from radixserve.model.sentencepiece import sentencepiece_backend
+
 # Pre-tokenizer splits of the GPT-2-style vocabularies, by the GGUF `tokenizer.ggml.pre` name.
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -123,7 +125,8 @@ def _compile_template(source: str) -> jinja2.Template:
 
 def _end_of_turn_ids(backend: Tokenizer, eos: str | None) -> set[int]:
     ids = set()
-    for name in (eos, "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "</s>"):
+    for name in (eos, "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "</s>",
+                 "<end_of_turn>"):
         if name and (tid := backend.token_to_id(name)) is not None:
             ids.add(tid)
     return ids
@@ -174,14 +177,45 @@ def _post_processor_adds_bos(backend: Tokenizer, bos: str | None) -> bool:
     return bool(probe) and probe[0] == backend.token_to_id(bos)
 
 
-def load_gguf_tokenizer(metadata: dict[str, Any]) -> ChatTokenizer:
-    """From a GGUF file's `tokenizer.ggml.*` metadata (GPT-2-style byte-level BPE)."""
+def load_gguf_tokenizer(metadata: dict[str, Any],
+                        fallback_template: str | None = None) -> ChatTokenizer:
+    """From a GGUF file's `tokenizer.ggml.*` metadata: GPT-2-style byte-level BPE, or
+    SentencePiece BPE (Gemma). `fallback_template` is the model family's chat template, for
+    a file that carries none."""
     kind = metadata.get("tokenizer.ggml.model")
-    if kind != "gpt2":
+    if kind == "gpt2":
+        backend = _byte_level_backend(metadata)
+    elif kind == "llama":
+        backend = sentencepiece_backend(metadata)
+    else:
         raise ValueError(
             f"GGUF tokenizer type {kind!r} is not supported (supported: 'gpt2' byte-level BPE, "
-            "as in SmolLM2, Llama 3 and Qwen2); load the model's HF directory instead"
+            "as in SmolLM2, Llama 3 and Qwen2, and 'llama' SentencePiece BPE, as in Gemma); "
+            "load the model's HF directory instead"
         )
+    tokens: list[str] = metadata["tokenizer.ggml.tokens"]
+    bos_id = metadata.get("tokenizer.ggml.bos_token_id")
+    eos_id = metadata.get("tokenizer.ggml.eos_token_id")
+    bos = tokens[bos_id] if bos_id is not None else None
+    eos = tokens[eos_id] if eos_id is not None else None
+    template = metadata.get("tokenizer.chat_template") or fallback_template
+    # GGUF converters set add_bos_token for nearly every model, while HF's own tokenizers differ
+    # (SmolLM2 and Qwen2 add none). A chat template that writes `bos_token` is the reliable
+    # sign that the model was trained with one.
+    add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", False)) and bool(
+        template and "bos_token" in template
+    )
+    return ChatTokenizer(
+        backend=backend,
+        chat_template=template,
+        bos_token=bos,
+        eos_token=eos,
+        add_bos=add_bos,
+        stop_token_ids=_end_of_turn_ids(backend, eos),
+    )
+
+
+def _byte_level_backend(metadata: dict[str, Any]) -> Tokenizer:
     tokens: list[str] = metadata["tokenizer.ggml.tokens"]
     merges = [tuple(m.split(" ", 1)) for m in metadata["tokenizer.ggml.merges"]]
     vocab = {tok: i for i, tok in enumerate(tokens)}
@@ -209,22 +243,4 @@ def load_gguf_tokenizer(metadata: dict[str, Any]) -> ChatTokenizer:
     specials = [AddedToken(tokens[i], special=True, normalized=False)
                 for i, t in enumerate(types) if t in (3, 4)]
     backend.add_special_tokens(specials)
-    bos_id = metadata.get("tokenizer.ggml.bos_token_id")
-    eos_id = metadata.get("tokenizer.ggml.eos_token_id")
-    bos = tokens[bos_id] if bos_id is not None else None
-    eos = tokens[eos_id] if eos_id is not None else None
-    template = metadata.get("tokenizer.chat_template")
-    # GGUF converters set add_bos_token for nearly every model, while HF's own tokenizers differ
-    # (SmolLM2 and Qwen2 add none). A chat template that writes `bos_token` is the reliable
-    # sign that the model was trained with one.
-    add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", False)) and bool(
-        template and "bos_token" in template
-    )
-    return ChatTokenizer(
-        backend=backend,
-        chat_template=template,
-        bos_token=bos,
-        eos_token=eos,
-        add_bos=add_bos,
-        stop_token_ids=_end_of_turn_ids(backend, eos),
-    )
+    return backend

@@ -74,6 +74,15 @@ def completion_budget(ctx: ServerContext, requested: int | None, prompt_len: int
     return max(1, min(context, ctx.kv_capacity) - prompt_len)
 
 
+def clamp_headers(requested: int | None, granted: list[int]) -> dict[str, str]:
+    """MAX_TOKENS_HEADER where the max_tokens policy lowered a request's max_tokens (a
+    request of several prompts reports the least any of them was granted)."""
+    least = min(granted, default=None)
+    if requested is None or least is None or least >= requested:
+        return {}
+    return {MAX_TOKENS_HEADER: f"{requested}->{least}"}
+
+
 def _sentence(exc: ValueError) -> str:
     text = str(exc)
     return text[:1].upper() + text[1:] + ("" if text.endswith(".") else ".")

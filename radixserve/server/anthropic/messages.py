@@ -43,7 +43,7 @@ from radixserve.server.tool_calls.tools import (
     turn_constraint,
 )
 from radixserve.server.transport import sse
-from radixserve.server.validation import MAX_TOKENS_HEADER, checked_sampling_params
+from radixserve.server.validation import checked_sampling_params, clamp_headers
 
 COST_HEADER = "x-radixserve-cost-usd"
 # Context editing changed the prompt from this body path on (the cache serves what precedes).
@@ -93,8 +93,7 @@ async def prepare_message(ctx: ServerContext, request: Request, raw: bytes) -> M
     namespace = cache_namespace(ctx.settings, request.state.api_key, None)
     ledger: CacheLedger = request.app.state.cache_ledger
     headers = request_headers(prompt, not_applied(body, request.headers.get("anthropic-beta")))
-    if 0 < params.max_tokens < body.max_tokens:
-        headers[MAX_TOKENS_HEADER] = f"{body.max_tokens}->{params.max_tokens}"
+    headers.update(clamp_headers(body.max_tokens, [params.max_tokens]))
     if (note := thinking_note(ctx, body)) is not None:
         headers[THINKING_HEADER] = note
     for stripped, tokens in prompt.stripped:

@@ -40,7 +40,7 @@ from radixserve.server.tool_calls.tools import (
     turn_constraint,
 )
 from radixserve.server.transport import parse_body
-from radixserve.server.validation import checked_sampling_params
+from radixserve.server.validation import checked_sampling_params, clamp_headers
 
 
 async def create_chat_completion(request: Request) -> Response:
@@ -63,13 +63,14 @@ async def prepare_chat(ctx: ServerContext, request: Request, raw: bytes) -> Chat
     structured = turn_constraint(formats, tools, choice, family, '"none"')
     prompt_ids = await asyncio.to_thread(render_chat, ctx.tokenizer, body.messages, body.tools,
                                          body.chat_template_kwargs)
-    params = checked_sampling_params(ctx, body, prompt_ids,
-                                     body.max_completion_tokens or body.max_tokens, "messages",
-                                     structured)
+    requested = body.max_completion_tokens or body.max_tokens
+    params = checked_sampling_params(ctx, body, prompt_ids, requested, "messages", structured)
     namespace = cache_namespace(ctx.settings, request.state.api_key, body.cache_salt)
     reading = call_reading(tools, choice, family, ctx.engine.grammars)
-    return ChatExchange(ctx, model, flags, [Job(prompt_ids, params, namespace)], reading,
-                        ctx.reasoning_format(prompt_ids, structured is not None))
+    exchange = ChatExchange(ctx, model, flags, [Job(prompt_ids, params, namespace)], reading,
+                            ctx.reasoning_format(prompt_ids, structured is not None))
+    exchange.headers.update(clamp_headers(requested, [params.max_tokens]))
+    return exchange
 
 
 def _tool_call(call_id: str, call: ToolCall) -> dict[str, Any]:

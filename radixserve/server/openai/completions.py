@@ -30,7 +30,7 @@ from radixserve.server.openai.protocol import (
 )
 from radixserve.server.serving import Job
 from radixserve.server.transport import parse_body
-from radixserve.server.validation import checked_sampling_params
+from radixserve.server.validation import checked_sampling_params, clamp_headers
 
 MAX_CHOICES = 256  # prompts x n in one request
 
@@ -82,7 +82,9 @@ async def prepare_completion(ctx: ServerContext, request: Request, raw: bytes) -
     if body.echo:
         echoes = [p if isinstance(p, str) else ctx.tokenizer.decode(job.prompt_ids)
                   for p, job in zip(prompts, jobs, strict=True)]
-    return CompletionExchange(ctx, model, flags, jobs, echoes)
+    exchange = CompletionExchange(ctx, model, flags, jobs, echoes)
+    exchange.headers.update(clamp_headers(body.max_tokens, [j.params.max_tokens for j in jobs]))
+    return exchange
 
 
 class CompletionExchange(OpenAIExchange):

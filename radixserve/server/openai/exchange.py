@@ -48,6 +48,15 @@ class OpenAIExchange(Exchange):
         self.model = model
         self.jobs = jobs
         self.created = int(time.time())
+        # What the server did to the request, said in the response's headers (a clamped
+        # max_tokens: validation.clamp_headers).
+        self.headers: dict[str, str] = {}
+
+    def response_headers(self) -> dict[str, str]:
+        return self.headers
+
+    def stream_headers(self) -> dict[str, str]:
+        return self.headers
 
     def start(self) -> list[Job]:
         return self.jobs
