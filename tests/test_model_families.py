@@ -8,14 +8,13 @@ scaling, Qwen2 with q/k/v biases, Mistral with a sliding window shorter than the
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
 from radixserve import LLM, SamplingParams
 from radixserve.model.families import FAMILIES
-from radixserve.model.loader import load_tokenizer
+from tests.support.families import save_checkpoint
 
 pytestmark = [pytest.mark.model]
 
@@ -23,17 +22,6 @@ transformers = pytest.importorskip("transformers")
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=49152, max_position_embeddings=512)
-
-
-def _save_model(model, directory: Path, model_path: Path) -> Path:
-    model.save_pretrained(directory, safe_serialization=True)
-    tokenizer = load_tokenizer(model_path)  # any real vocabulary of the right size will do
-    tokenizer.backend.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({
-        "chat_template": tokenizer.chat_template, "eos_token": tokenizer.eos_token,
-        "bos_token": tokenizer.bos_token,
-    }))
-    return directory
 
 
 def _llama3():
@@ -62,7 +50,7 @@ def _mistral():
 def test_family_matches_hf_logits(build, tmp_path, model_path):
     torch.manual_seed(0)
     hf = build().float().eval()
-    directory = _save_model(hf, tmp_path / "model", model_path)
+    directory = save_checkpoint(hf, tmp_path / "model", model_path)
     llm = LLM(str(directory), dtype="float32", kv_cache_tokens=2048, show_progress=False)
     assert llm.engine.model_config.architecture == hf.config.model_type
     generator = torch.Generator().manual_seed(1)

@@ -1,34 +1,122 @@
-"""Model-family test helpers: a tiny random-weight checkpoint saved as an HF directory with a
-real tokenizer, the same checkpoint written as GGUF by llama.cpp's own converter (from the
-llama-cpp-python sdist, fetched once into the cache) and requantized with gguf-py, and the
-parity measures against transformers in float32."""
+"""The model-family suite's machinery: what a family's tiny checkpoint is and what the suite
+checks of it (`Family`), the checkpoint saved as an HF directory with a real tokenizer,
+converted to GGUF by llama.cpp's converter and requantized (`FamilyCheckpoints`, built once a
+session), and the parity measures against transformers in float32."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import tarfile
-import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-import pytest
 import torch
 
 from radixserve import LLM, SamplingParams
-from radixserve.home import cache_home
 from radixserve.model.loader import load_tokenizer
+from tests.support.gguf_requantize import requantize_gguf
+from tests.support.llama_converter import LlamaConverter
 from tests.support.workloads import mixed_workload, run_rounds
 
-LLAMA_CPP_SDIST = "llama-cpp-python==0.3.36"
-# What the converter needs from the sdist's vendored llama.cpp tree.
-CONVERTER_PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
 # Small engines: a few short prompts, float32 like the reference.
 TINY_ENGINE = dict(dtype="float32", kv_cache_tokens=4096, show_progress=False,
                    debug_invariants=True)
+# Float32 both sides; the only differences are summation orders (fused q/k/v, attention, an
+# expert mixture's weighted sum).
+LOGIT_TOLERANCE = 1e-4
+Mutation = Callable[[LLM], None]
+
+
+def random_prompts(lengths: tuple[int, ...], seed: int = 1) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(200, 40000, (n,), generator=generator).tolist() for n in lengths]
+
+
+# Three prompts, the longest several sliding windows long; greedy decoding after 50 tokens.
+PROMPTS = random_prompts((7, 40, 100))
+
+
+@dataclass(frozen=True)
+class ParityRun:
+    """Prompts whose next-token logits must match transformers' on one engine (built with
+    `settings`), and one whose greedy continuation must."""
+
+    prompts: list[list[int]] = field(default_factory=lambda: PROMPTS)
+    greedy_prompt: list[int] = field(default_factory=lambda: PROMPTS[2][:50])
+    settings: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Family:
+    """One family's tiny random-weight checkpoint and what the suite checks of it."""
+
+    name: str  # the registry's family name (ModelConfig.family)
+    build: Callable[[], torch.nn.Module]  # the transformers model, seeded, in float32
+    gguf_architecture: str  # general.architecture of the converter's file
+    # ModelConfig fields (dotted for nested ones) the engine must read, from either source.
+    features: dict[str, Any]
+    # Mutations that drop or change one feature: the parity check must catch each.
+    mutations: dict[str, Mutation]
+    runs: tuple[ParityRun, ...] = (ParityRun(),)
+    # Checks of an engine on the HF directory beyond its logits (which blocks it built).
+    check_engine: Callable[[LLM], None] | None = None
+    # The GGUF copy's block type, and its agreement with its own blocks dequantized: the RMS
+    # of the logit difference over the logits' spread, with int8 activations (as llama.cpp
+    # multiplies quantized blocks). Measured 0.014-0.044 across families.
+    quantized_type: str = "Q8_0"
+    quantized_tolerance: float = 0.15
+    # Float matrices quantized to Q4_1 at load, against the float weights (None: not
+    # checked). Measured 0.20-0.73: 4-bit Gaussian weights, and a tied embedding table is Q4_1
+    # too (the default model's own Q4_1 blocks measure 0.79 against float).
+    int4_tolerance: float | None = 1.0
+    # Checks of an engine running quantized blocks (the copy's, and int4's).
+    check_quantized: Callable[[LLM], None] | None = None
+    # Which copy the cache on == off check runs ("directory" or "gguf_quantized").
+    cache_source: str = "directory"
+
+    @property
+    def prompts(self) -> list[list[int]]:
+        """The prompts of the quantized and mutation checks (the last run's)."""
+        return self.runs[-1].prompts
+
+
+@dataclass(frozen=True)
+class FamilyCheckpoint:
+    """One tiny model as transformers runs it, saved as an HF directory, converted to GGUF
+    by llama.cpp's converter, and that file requantized to the family's block type."""
+
+    hf: torch.nn.Module
+    directory: Path
+    gguf: Path
+    gguf_quantized: Path
+
+
+class FamilyCheckpoints:
+    """Each family's checkpoint, built on first use and kept for the session, in `folder`."""
+
+    def __init__(self, folder: Path, tokenizer_model: Path) -> None:
+        self.folder = folder
+        self.tokenizer_model = tokenizer_model
+        self.converter = LlamaConverter(folder / "converter.log")
+        self.built: dict[str, FamilyCheckpoint] = {}
+
+    def get(self, family: Family) -> FamilyCheckpoint:
+        if family.name not in self.built:
+            self.built[family.name] = self._build(family)
+        return self.built[family.name]
+
+    def _build(self, family: Family) -> FamilyCheckpoint:
+        folder = self.folder / family.name
+        hf = family.build().float().eval()
+        directory = save_checkpoint(hf, folder / "hf", self.tokenizer_model)
+        gguf = self.converter.convert(directory, folder / "model-f32.gguf")
+        quantized = requantize_gguf(gguf, folder / f"model-{family.quantized_type.lower()}.gguf",
+                                    family.quantized_type)
+        return FamilyCheckpoint(hf, directory, gguf, quantized)
+
+    def close(self) -> None:
+        self.converter.close()
 
 
 def save_checkpoint(model: torch.nn.Module, directory: Path, tokenizer_model: Path) -> Path:
@@ -48,90 +136,23 @@ def save_checkpoint(model: torch.nn.Module, directory: Path, tokenizer_model: Pa
     return directory
 
 
-def llama_cpp_tree() -> Path:
-    """The converter's part of the llama.cpp tree vendored in the llama-cpp-python sdist:
-    $RADIXSERVE_LLAMA_CPP_SRC, or fetched once with pip into the cache (skips the test where
-    pip cannot fetch it)."""
-    if os.environ.get("RADIXSERVE_LLAMA_CPP_SRC"):
-        return Path(os.environ["RADIXSERVE_LLAMA_CPP_SRC"])
-    tree = cache_home() / "llama_cpp_converter" / LLAMA_CPP_SDIST.replace("==", "-")
-    if (tree / "convert_hf_to_gguf.py").exists():
-        return tree
-    with tempfile.TemporaryDirectory() as download:
-        fetched = subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
-             "--quiet", LLAMA_CPP_SDIST, "-d", download], capture_output=True, text=True)
-        sdists = list(Path(download).glob("*.tar.gz"))
-        if fetched.returncode or not sdists:
-            pytest.skip(f"cannot fetch {LLAMA_CPP_SDIST} for its converter: {fetched.stderr}")
-        extract_converter(sdists[0], tree)
-    return tree
-
-
-def extract_converter(sdist: Path, tree: Path) -> None:
-    """Unpacks the converter's files from the sdist into `tree` (atomically)."""
-    staging = Path(tempfile.mkdtemp(dir=tree.parent if tree.parent.exists() else None))
-    with tarfile.open(sdist) as archive:
-        members = []
-        for member in archive.getmembers():
-            _, _, inner = member.name.partition("/vendor/llama.cpp/")
-            if inner and inner.startswith(CONVERTER_PARTS):
-                member.name = inner
-                members.append(member)
-        archive.extractall(staging, members=members, filter="data")
-    tree.parent.mkdir(parents=True, exist_ok=True)
-    staging.rename(tree)
-
-
-def convert_to_gguf(directory: Path, outfile: Path) -> Path:
-    """The HF directory written as a float32 GGUF by llama.cpp's convert_hf_to_gguf.py."""
-    converter = llama_cpp_tree() / "convert_hf_to_gguf.py"
-    done = subprocess.run([sys.executable, str(converter), str(directory), "--outfile",
-                           str(outfile), "--outtype", "f32"], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return outfile
-
-
-def requantize_gguf(source: Path, outfile: Path, type_name: str) -> Path:
-    """A copy of a float GGUF whose matrices are `type_name` blocks (gguf-py's quantizer,
-    ggml's reference rounding), as llama-quantize leaves norms and vectors in float32."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(source))
-    arch = reader.fields["general.architecture"]
-    writer = gguf.GGUFWriter(str(outfile), bytes(arch.parts[arch.data[0]]).decode())
-    for name, field in reader.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture":
-            continue
-        kind = field.types[0]
-        if kind == gguf.GGUFValueType.ARRAY:
-            sub = field.types[-1]
-            value = [bytes(field.parts[i]).decode() if sub == gguf.GGUFValueType.STRING
-                     else field.parts[i].tolist()[0] for i in field.data]
-            writer.add_key_value(name, value, kind, sub_type=sub)
-        elif kind == gguf.GGUFValueType.STRING:
-            writer.add_key_value(name, bytes(field.parts[field.data[0]]).decode(), kind)
-        else:
-            writer.add_key_value(name, field.parts[field.data[0]].tolist()[0], kind)
-    qtype = gguf.GGMLQuantizationType[type_name]
-    for tensor in reader.tensors:
-        data = tensor.data.reshape([int(n) for n in reversed(tensor.shape)])
-        # As llama-quantize: matrices and 3-D expert stacks in blocks; routers and biases float.
-        if (data.ndim >= 2 and data.shape[-1] % 32 == 0
-                and not tensor.name.endswith((".bias", "ffn_gate_inp.weight"))):
-            writer.add_tensor(tensor.name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
-        else:
-            writer.add_tensor(tensor.name, data)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return outfile
-
-
-def random_prompts(lengths: tuple[int, ...], seed: int = 1) -> list[list[int]]:
+def perturb_norms(model: torch.nn.Module, mean: float, std: float, seed: int = 2) -> None:
+    """Random norm weights around `mean` (1 for w, 0 for Gemma's 1 + w), so that a norm read
+    the wrong way shows in the logits (a fresh model's norms are all alike)."""
     generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(200, 40000, (n,), generator=generator).tolist() for n in lengths]
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("norm.weight"):
+                parameter.copy_(mean + std * torch.randn(parameter.shape, generator=generator))
+
+
+def fresh_llm(source: Path, mutate: Mutation | None = None, **settings) -> LLM:
+    """An engine on `source` with TINY_ENGINE's settings (and `settings`), its model changed
+    by `mutate` where given (the mutation checks)."""
+    llm = LLM(str(source), **{**TINY_ENGINE, **settings})
+    if mutate is not None:
+        mutate(llm)
+    return llm
 
 
 def logit_gaps(llm: LLM, hf: torch.nn.Module, prompts: list[list[int]]) -> list[float]:
@@ -159,39 +180,15 @@ def greedy_divergence(llm: LLM, hf: torch.nn.Module, prompt: list[int],
                 None)
 
 
-def greedy_tokens(llm: LLM, prompts: list[list[int]], tokens: int = 8) -> list[list[int]]:
-    results = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                           SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
-    return [r.outputs[0].token_ids for r in results]
-
-
-def fresh_llm(source: Path, mutate: Callable[[LLM], None] | None = None, **settings) -> LLM:
-    """An engine on `source` with TINY_ENGINE's settings (and `settings`), its model changed
-    by `mutate` where given (the mutation checks)."""
-    llm = LLM(str(source), **{**TINY_ENGINE, **settings})
-    if mutate is not None:
-        mutate(llm)
-    return llm
-
-
-@dataclass(frozen=True)
-class FamilyCheckpoint:
-    """One tiny model as transformers runs it, saved as an HF directory, converted to GGUF
-    by llama.cpp's converter, and that file requantized to Q8_0."""
-
-    hf: torch.nn.Module
-    directory: Path
-    gguf: Path
-    gguf_q8_0: Path
-
-
-def build_family_checkpoint(hf: torch.nn.Module, folder: Path,
-                            tokenizer_model: Path) -> FamilyCheckpoint:
-    hf = hf.float().eval()
-    directory = save_checkpoint(hf, folder / "hf", tokenizer_model)
-    gguf = convert_to_gguf(directory, folder / "model-f32.gguf")
-    return FamilyCheckpoint(hf, directory, gguf,
-                            requantize_gguf(gguf, folder / "model-q8_0.gguf", "Q8_0"))
+def quantized_gaps(quantized: LLM, reference: LLM, prompts: list[list[int]]) -> list[float]:
+    """Per prompt, the RMS of the logit difference between a quantized engine and its float
+    reference over the reference logits' standard deviation (the measure
+    tests/test_gguf_types.py states its quantized tolerance in)."""
+    gaps = []
+    for ids in prompts:
+        want, got = reference.engine.prompt_logits(ids), quantized.engine.prompt_logits(ids)
+        gaps.append(((got - want).pow(2).mean().sqrt() / want.std()).item())
+    return gaps
 
 
 def cache_and_chunking_runs(source: Path) -> tuple[list[list[int]], list[list[int]]]:
@@ -208,24 +205,3 @@ def cache_and_chunking_runs(source: Path) -> tuple[list[list[int]], list[list[in
         assert stats.private == 0 and stats.protected == 0, stats
     assert hits[0] > 0 and hits[1] == 0, hits
     return runs[0], runs[1]
-
-
-def perturb_norms(model: torch.nn.Module, mean: float, std: float, seed: int = 2) -> None:
-    """Random norm weights around `mean` (1 for w, 0 for Gemma's 1 + w), so that a norm read
-    the wrong way shows in the logits (a fresh model's norms are all alike)."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith("norm.weight"):
-                parameter.copy_(mean + std * torch.randn(parameter.shape, generator=generator))
-
-
-def quantized_gaps(quantized: LLM, reference: LLM, prompts: list[list[int]]) -> list[float]:
-    """Per prompt, the RMS of the logit difference between a quantized engine and its float
-    reference over the reference logits' standard deviation (the measure
-    tests/test_gguf_types.py states its quantized tolerance in)."""
-    gaps = []
-    for ids in prompts:
-        want, got = reference.engine.prompt_logits(ids), quantized.engine.prompt_logits(ids)
-        gaps.append(((got - want).pow(2).mean().sqrt() / want.std()).item())
-    return gaps
