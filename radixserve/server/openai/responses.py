@@ -195,9 +195,14 @@ async def prepare_response(ctx: ServerContext, store: ResponseStore, request: Re
     else:
         namespace = cache_namespace(ctx.settings, request.state.api_key, body.prompt_cache_key)
     keep = body.store is not False
-    # Pinned for the store's TTL: the next turn's prefix stays cached (and on the disk tier).
-    pins = ((len(rendered.token_ids), ctx.settings.responses_ttl),) if keep else ()
-    job = Job(rendered.token_ids, params, namespace, pins)
+    # The whole sequence, output included, pinned for the store's TTL from its creation on:
+    # the next turn's prefix stays cached (and on the disk tier) whatever runs meanwhile. The
+    # offset is past any output; the engine pins as far as the finished request has KV.
+    whole = len(rendered.token_ids) + params.max_tokens
+    pins = ((whole, ctx.settings.responses_ttl),) if keep else ()
+    # Behind replicas, the continuation goes where those tokens are cached.
+    owner = previous.replica if previous is not None and not rendered.dropped_items else None
+    job = Job(rendered.token_ids, params, namespace, pins, affinity=owner)
     reading = call_reading(tools, choice, family, ctx.engine.grammars) if tools else None
     stored = StoredResponse(
         id=f"resp_{uuid.uuid4().hex}", tenant=tenant, token_ids=[],
@@ -283,7 +288,8 @@ class ResponsesExchange(Exchange):
         body = self.response(status, self.events.output, usage)
         if self.store is not None:
             self.record = dataclasses.replace(
-                self.record, body=body, token_ids=[*self.job.prompt_ids, *sample.token_ids])
+                self.record, body=body, token_ids=[*self.job.prompt_ids, *sample.token_ids],
+                replica=final.extra.get("replica"))
             self.store.put(self.record)
         return body, closing
 
