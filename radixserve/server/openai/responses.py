@@ -39,6 +39,13 @@ from radixserve.server.openai.responses_render import (
     truncated,
 )
 from radixserve.server.openai.responses_stream import OutputEvents, replay
+from radixserve.server.reasoning import (
+    NoReasoning,
+    ReasoningFormat,
+    ReasoningSplit,
+    ReasoningStream,
+    reasoning_tokens,
+)
 from radixserve.server.response_store import ResponseStore, StoredResponse
 from radixserve.server.serving import Job
 from radixserve.server.tool_calls.parsers import ToolCallStream
@@ -210,17 +217,20 @@ async def prepare_response(ctx: ServerContext, store: ResponseStore, request: Re
         namespace=namespace, tools=chat_tools if previous is None else previous.tools,
         instructions=body.instructions or (previous.instructions if previous else None),
         input_items=items, previous_response_id=body.previous_response_id)
+    reasoning = ctx.reasoning_format(rendered.token_ids, structured is not None)
     return ResponsesExchange(ctx, store if keep else None, body, model, job, reading, stored,
-                             rendered.dropped_items)
+                             rendered.dropped_items, reasoning)
 
 
 class ResponsesExchange(Exchange):
     """One POST /v1/responses: its job, its output items (streamed as events or returned
-    whole), and its storing once finished."""
+    whole), and its storing once finished. Where the reply opens with reasoning (the
+    `--reasoning-parser` format), that is a `reasoning` item before the answer's items; the
+    tool-call reader sees only the answer."""
 
     def __init__(self, ctx: ServerContext, store: ResponseStore | None, body: ResponsesRequest,
                  model: str, job: Job, reading: CallReading | None, record: StoredResponse,
-                 dropped_items: int) -> None:
+                 dropped_items: int, reasoning: ReasoningFormat | None = None) -> None:
         super().__init__(record.id, bool(body.stream))
         self.ctx = ctx
         self.store = store
@@ -233,6 +243,10 @@ class ResponsesExchange(Exchange):
         self.created = int(time.time())
         self.events = OutputEvents()
         self._calls: ToolCallStream | None = None
+        self.reasoning = reasoning or NoReasoning()
+        self._thinking: ReasoningStream | None = None
+        self._answer_token: int | None = None  # streamed: where the answer's tokens start
+        self._answer_sent = 0  # streamed: characters of the answer sent, without tools
 
     def start(self) -> list[Job]:
         return [self.job]
@@ -275,15 +289,20 @@ class ResponsesExchange(Exchange):
             "usage": usage, "metadata": body.metadata or {}, "user": body.user,
         }
 
+    def _reasoning_tokens(self, token_ids: list[int], split: ReasoningSplit) -> int:
+        return reasoning_tokens(token_ids, split, self.ctx.tokenizer.decode)
+
     def _finish(self, final: RequestOutput) -> tuple[dict[str, Any], bytes]:
         """The finished response (stored, when `store`) and the events that close its stream."""
         sample = final.outputs[0]
         status = "incomplete" if sample.finish_reason == "length" else "completed"
         closing = self.events.finish(status)
         prompt, output = len(final.prompt_token_ids), len(sample.token_ids)
+        thought = self._reasoning_tokens(sample.token_ids,
+                                         self.reasoning.split(sample.text, final=True))
         usage = {"input_tokens": prompt,
                  "input_tokens_details": {"cached_tokens": final.num_cached_tokens},
-                 "output_tokens": output, "output_tokens_details": {"reasoning_tokens": 0},
+                 "output_tokens": output, "output_tokens_details": {"reasoning_tokens": thought},
                  "total_tokens": prompt + output}
         body = self.response(status, self.events.output, usage)
         if self.store is not None:
@@ -295,11 +314,16 @@ class ResponsesExchange(Exchange):
 
     def response_body(self, finals: list[RequestOutput]) -> dict[str, Any]:
         sample = finals[0].outputs[0]
-        everything = slice(0, len(sample.token_ids))
+        split = self.reasoning.split(sample.text, final=True)
+        if split.reasoning:
+            self.events.reasoning(split.reasoning)
+        if split.reasoning_end == len(sample.text):
+            return self._finish(finals[0])[0]  # cut off while reasoning: no answer
+        everything = slice(self._reasoning_tokens(sample.token_ids, split), None)
         if self.reading is None:
-            self.events.text(sample.text, self._logprobs(sample, everything))
+            self.events.text(split.content, self._logprobs(sample, everything))
         else:
-            parsed = self.reading.parse(sample.text)
+            parsed = self.reading.parse(split.content)
             if parsed.content or not parsed.calls:
                 logprobs = None if parsed.calls else self._logprobs(sample, everything)
                 self.events.text(parsed.content, logprobs)
@@ -314,19 +338,49 @@ class ResponsesExchange(Exchange):
 
     def delta_event(self, delta: Delta) -> bytes | None:
         sample = delta.sample
-        if self.reading is None:
+        if self.reading is None and isinstance(self.reasoning, NoReasoning):
             logprobs = self._logprobs(sample, slice(delta.token_start, delta.token_end))
             return self.events.text(delta.text, logprobs) if delta.text or logprobs else None
-        if self._calls is None:
-            self._calls = self.reading.stream()
         final = sample.finish_reason is not None
         visible = sample.text if final else sample.text[: delta.text_offset + len(delta.text)]
-        update = self._calls.feed(visible, final)
-        events = self.events.text(update.content) if update.content else b""
+        events, answer = self._reasoning_delta(delta, visible, final)
+        if answer is None:
+            return events or None
+        if self.reading is None:
+            text, self._answer_sent = answer[self._answer_sent:], len(answer)
+            start = max(delta.token_start, self._answer_token or 0)
+            logprobs = self._logprobs(sample, slice(start, delta.token_end))
+            if text or logprobs:
+                events += self.events.text(text, logprobs)
+            return events or None
+        if self._calls is None:
+            self._calls = self.reading.stream()
+        update = self._calls.feed(answer, final)
+        events += self.events.text(update.content) if update.content else b""
         for call in update.calls:
             if self.reading.keeps(call.index):
                 events += self.events.call(call.index, call.name, call.arguments)
         return events or None
+
+    def _reasoning_delta(self, delta: Delta, visible: str, final: bool
+                         ) -> tuple[bytes, str | None]:
+        """The reasoning events of a streamed delta, and the answer so far (None while the
+        reply is still reasoning, or was cut off in it)."""
+        if isinstance(self.reasoning, NoReasoning):
+            return b"", visible
+        if self._thinking is None:
+            self._thinking = ReasoningStream(self.reasoning)
+        update = self._thinking.feed(visible, final)
+        events = self.events.reasoning(update.reasoning) if update.reasoning else b""
+        if not update.reasoning_done:
+            return events, None
+        split = self.reasoning.split(visible, final)
+        if split.reasoning_end == len(visible) and final:
+            return events, None
+        if self._answer_token is None:
+            self._answer_token = self._reasoning_tokens(
+                delta.sample.token_ids[:delta.token_end], split)
+        return events, update.content_so_far
 
     def closing_events(self, finals: list[RequestOutput]) -> list[bytes]:
         body, closing = self._finish(finals[0])
