@@ -14,7 +14,7 @@ import pytest
 from radixserve.outputs import CompletionOutput, RequestOutput
 from radixserve.sampling_params import SamplingParams
 from radixserve.server.exchange import StreamCursor
-from radixserve.server.openai.responses import ResponsesExchange
+from radixserve.server.openai.responses_exchange import ResponsesExchange
 from radixserve.server.openai.responses_protocol import ResponsesRequest
 from radixserve.server.reasoning import ThinkTags
 from radixserve.server.response_store import StoredResponse
