@@ -78,13 +78,15 @@ class AsyncEngine:
         namespace: Hashable = None,
         *,
         replayable: bool = False,
+        affinity: str | None = None,
         **options: Any,
     ) -> AsyncIterator[RequestOutput]:
         """Streams cumulative outputs until finished. Leaving the iterator early aborts it.
 
         Raises ValueError (bad prompt or params) before the first output. `replayable` (the
         caller keeps only the final output) matters to fronts whose engines can die apart
-        from the caller (`replicas.front`); a local engine fails with its caller.
+        from the caller (`replicas.front`); a local engine fails with its caller. `affinity`
+        (which engine holds the prefix) matters to fronts of several; here there is one.
         """
         stream = _Stream(asyncio.get_running_loop())
         added: concurrent.futures.Future[str] = concurrent.futures.Future()

@@ -196,7 +196,8 @@ class LLMEngine:
         """Queues a prompt (text or token ids); returns its id. Raises ValueError on bad input.
 
         `namespace` (a tenant's cache_salt) keeps its cache entries apart from other tenants'.
-        `pins` are (prompt offset, TTL seconds) breakpoints whose prefixes stay cached that long.
+        `pins` are (token offset, TTL seconds) breakpoints whose prefixes stay cached that long;
+        an offset past the prompt covers the output too, as far as it has KV at the finish.
         `counted=False` keeps the server's own requests (health probes) out of the counters.
         """
         request_id = request_id or uuid.uuid4().hex

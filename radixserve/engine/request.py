@@ -61,8 +61,9 @@ class Request:
     cache_len: int = 0  # leading slots owned by the prefix cache
     cache_handle: CacheHandle | None = None
     num_cached_tokens: int | None = None  # prefix-cache hit at first admission
-    # cache_control breakpoints still to pin: (prompt token offset, TTL in seconds). The prefix
-    # up to each offset is pinned in the cache once published, until arrival + TTL.
+    # cache_control breakpoints still to pin: (token offset, TTL in seconds). The prefix up to
+    # each offset is pinned in the cache once published, until arrival + TTL; an offset past
+    # the prompt reaches into the output, as far as the finished request has KV.
     pins: list[tuple[int, float]] = field(default_factory=list)
     # False for the server's own requests (health probes, warm-up): they run like any other
     # but stay out of the cache counters, which describe the clients' traffic.

@@ -117,7 +117,10 @@ class Scheduler:
             return
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
-            self._release(request, publish=keep_kv)
+            if keep_kv:
+                self.publish(request)
+                self._pin_to_end(request)
+            self._release(request, publish=False)
         elif request.status is RequestStatus.LOADING:
             self.loading.abandon(request)  # its slots past the cache's wait for the loader
             self._release(request, publish=False)
@@ -378,6 +381,13 @@ class Scheduler:
                 if self.tier is not None:
                     self.tier.pin(request, aligned, request.arrival_time + ttl)
         request.pins = waiting
+
+    def _pin_to_end(self, request: Request) -> None:
+        """Pins that reach past what the finished request cached end where its KV does: a
+        Responses API turn pins its whole sequence before knowing the output's length, and the
+        last sampled token has no KV."""
+        request.pins = [(min(offset, request.cache_len), ttl) for offset, ttl in request.pins]
+        self._apply_pins(request)
 
     def _release(self, request: Request, publish: bool) -> None:
         if publish:

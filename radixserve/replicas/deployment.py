@@ -87,9 +87,12 @@ class EngineReplica:
 
     async def generate(self, job: ReplicaJob) -> AsyncIterator[RequestOutput]:
         """Streams the job's cumulative outputs. The ingress cancelling the stream (its client
-        left) closes this generator, and `AsyncEngine.generate` aborts the request."""
+        left) closes this generator, and `AsyncEngine.generate` aborts the request. Each
+        output names this replica (`extra["replica"]`): a stored response's continuations are
+        sent back here, where its tokens are cached."""
         async for output in self.aengine.generate(job.prompt_ids, job.params, job.request_id,
                                                   job.namespace, **job.options):
+            output.extra["replica"] = self.replica_id
             yield output
 
     def __del__(self) -> None:

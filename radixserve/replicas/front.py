@@ -10,6 +10,7 @@ again on another replica, once; a stream that has sent output ends with an error
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Hashable
@@ -158,22 +159,26 @@ class ReplicaFront:
         self._limits.check(ids, params, self._grammars)
 
     def job(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
-            namespace: Hashable, options: dict[str, Any]) -> ReplicaJob:
+            namespace: Hashable, options: dict[str, Any],
+            affinity: str | None = None) -> ReplicaJob:
         size = self.facts.block_size
         hashes = tuple(block_hashes(prompt_ids, namespace, size))
         if self._with_text:
             return TextJob(request_id, prompt_ids, params, namespace, options, hashes, size,
+                           affinity,
                            prompt=self._tokenizer.decode(prompt_ids, skip_special_tokens=False))
-        return ReplicaJob(request_id, prompt_ids, params, namespace, options, hashes, size)
+        return ReplicaJob(request_id, prompt_ids, params, namespace, options, hashes, size,
+                          affinity)
 
     async def generate(
         self, prompt: str | list[int], params: SamplingParams, request_id: str,
-        namespace: Hashable = None, *, replayable: bool = False, **options: Any,
+        namespace: Hashable = None, *, replayable: bool = False, affinity: str | None = None,
+        **options: Any,
     ) -> AsyncIterator[RequestOutput]:
         # The routes have validated it (`check_prompt`); the replica's engine checks again.
         if isinstance(prompt, str):
             prompt = self._tokenizer.encode(prompt)
-        job = self.job(list(prompt), params, request_id, namespace, options)
+        job = self.job(list(prompt), params, request_id, namespace, options, affinity)
         from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
         sent = False
@@ -193,6 +198,8 @@ class ReplicaFront:
                                    request_id, type(exc).__name__)
                     raise replica_lost() from exc
                 self.retries += 1
+                # Its replica may have been the one it was bound to: any live one will do now.
+                job = dataclasses.replace(job, affinity=None)
                 logger.warning("request %s: its replica stopped (%s); running it on another",
                                request_id, type(exc).__name__)
             finally:

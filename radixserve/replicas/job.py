@@ -21,6 +21,9 @@ class ReplicaJob:
     # The prompt's full blocks of `block_size` tokens (`kv_events.blocks.block_hashes`).
     block_hashes: tuple[int, ...] = ()
     block_size: int = 0
+    # The replica whose cache holds this prompt's prefix (a stored response's, continued by
+    # `previous_response_id`): every router sends the job there while it lives.
+    affinity: str | None = None
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,8 @@ namespaces are part of the hashes), then by load:
    to one replica, so the prefix is computed once in the cluster, not once per replica.
 
 `PowerOfTwoRouter` and `RoundRobinRouter` ignore the cache (baselines, `--router pow2|
-round-robin`). Every router registers itself under the ingress's key (`registry`), so the
+round-robin`). Every router sends a job bound to a replica (`ReplicaJob.affinity`: a Responses
+API continuation, whose stored tokens its owner holds pinned) to that replica while it lives. Every router registers itself under the ingress's key (`registry`), so the
 ingress can read the replicas' routing stats (`front.ReplicaDirectory`).
 """
 
@@ -48,6 +49,24 @@ def _job(pending: PendingRequest | None) -> ReplicaJob | None:
         if isinstance(arg, ReplicaJob):
             return arg
     return None
+
+
+def _owner(candidates: list[RunningReplica],
+           pending: PendingRequest | None) -> RunningReplica | None:
+    """The live candidate a job is bound to (`ReplicaJob.affinity`: the replica holding the
+    stored response it continues), if any: every router sends the job there. Gone (Ray
+    restarts a dead replica under a new id), the job is routed as any other."""
+    job = _job(pending)
+    if job is None or job.affinity is None:
+        return None
+    return next((r for r in candidates if r.replica_id.unique_id == job.affinity), None)
+
+
+def _owner_first(candidates: list[RunningReplica],
+                 owner: RunningReplica) -> list[list[RunningReplica]]:
+    """The owner, then the rest should its queue be full."""
+    rest = [r for r in candidates if r is not owner]
+    return [[owner], rest] if rest else [[owner]]
 
 
 class _Loads:
@@ -258,8 +277,10 @@ class PrefixRouter(_Registered):
         eligible = [r for r in candidates
                     if loads[r.replica_id] - least <= self.config.imbalance_threshold]
         job = _job(pending)
-        chosen: RunningReplica | None = None
-        if job is not None and job.block_hashes:
+        # A continued response goes to its owner unless that one is passed over for load
+        # (a miss there costs the prefix's prefill, as any prefix's would).
+        chosen = _owner(eligible, pending)
+        if chosen is None and job is not None and job.block_hashes:
             chosen = self._best_match(eligible, job, loads)
         if chosen is None:
             fewest = min(loads[r.replica_id] for r in eligible)
@@ -318,6 +339,9 @@ class _Timed(_Registered):
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
         with self.timed():
+            owner = _owner(candidate_replicas, pending_request)
+            if owner is not None:
+                return _owner_first(candidate_replicas, owner)
             return await super().choose_replicas(  # type: ignore[safe-super]
                 candidate_replicas, pending_request)
 
@@ -340,6 +364,9 @@ class RoundRobinRouter(_Registered):
         with self.timed():
             if not candidate_replicas:
                 return []
+            owner = _owner(candidate_replicas, pending_request)
+            if owner is not None:
+                return _owner_first(candidate_replicas, owner)
             ordered = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
             first = next(self._turn) % len(ordered)
             return [[r] for r in ordered[first:] + ordered[:first]]

@@ -40,10 +40,13 @@ class EngineFront(Protocol):
 
     def generate(
         self, prompt: str | list[int], params: SamplingParams, request_id: str,
-        namespace: Hashable = None, *, replayable: bool = False, **options: Any,
+        namespace: Hashable = None, *, replayable: bool = False, affinity: str | None = None,
+        **options: Any,
     ) -> AsyncIterator[RequestOutput]:
         """Cumulative outputs until finished; leaving early aborts. `replayable`: the caller
-        uses only the final output, so a front may restart the request elsewhere."""
+        uses only the final output, so a front may restart the request elsewhere. `affinity`:
+        the engine that holds the prompt's prefix (an output's `extra["replica"]`), where a
+        front of several sends it while that engine lives."""
         ...
 
     def abort(self, request_id: str) -> None: ...

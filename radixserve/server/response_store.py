@@ -46,6 +46,9 @@ class StoredResponse:
     input_items: list[dict[str, Any]] = field(default_factory=list)  # this request's own
     body: dict[str, Any] = field(default_factory=dict)  # the response object, as returned
     previous_response_id: str | None = None
+    # The replica that generated it (behind --replicas), whose cache holds its tokens: the
+    # router sends its continuations there. None: one engine, or unknown.
+    replica: str | None = None
 
 
 class ResponseStore:

@@ -57,13 +57,16 @@ class Job:
     prompt_ids: list[int]
     params: SamplingParams
     namespace: CacheNamespace = None
-    # cache_control breakpoints: (prompt token offset, TTL seconds), pinned by the engine.
+    # TTL pins: (token offset, TTL seconds), pinned by the engine; past the prompt, into the
+    # output (`LLMEngine.add_request`).
     pins: tuple[tuple[int, float], ...] = ()
     # The route's own accounting; None: the service's `default_usage`, if any.
     usage: UsageObserver | None = None
     # What the server changed in the prompt before the engine saw it (a per-request preamble
     # taken out, a context edit), for the dashboard's misses.
     notes: tuple[str, ...] = ()
+    # Which of the front's engines holds the prompt's prefix (`EngineFront.generate`).
+    affinity: str | None = None
 
 
 @dataclass(frozen=True)
@@ -316,7 +319,8 @@ class EngineService:
                     replayable: bool) -> None:
         options = {"pins": list(job.pins)} if job.pins else {}
         outputs = self.aengine.generate(job.prompt_ids, job.params, request_id,
-                                        namespace=job.namespace, replayable=replayable, **options)
+                                        namespace=job.namespace, replayable=replayable,
+                                        affinity=job.affinity, **options)
         first = asyncio.ensure_future(anext(outputs))
         finished = False
         try:

@@ -6,51 +6,34 @@ A stored response is its exact token sequence (`response_store`); `previous_resp
 continues it token for token (`responses_render`), its prefix pinned in the cache for the
 store's TTL, so a continued turn recomputes only its new items. Generation runs through the same
 request skeleton as chat completions (`exchange.handle`): admission, usage, the cost ledger.
+This module holds the routes; a request becomes a job in `responses_request`, and generates,
+streams and is stored in `responses_exchange`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import hashlib
 import time
-import uuid
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
-from radixserve.outputs import RequestOutput
-from radixserve.server.auth import CacheNamespace, cache_namespace
 from radixserve.server.context import ServerContext, context_of
-from radixserve.server.errors import APIError, bad_request
-from radixserve.server.exchange import Delta, Exchange, handle
-from radixserve.server.openai.protocol import chat_logprobs
-from radixserve.server.openai.responses_protocol import (
-    ResponsesRequest,
-    chat_messages,
-    input_items,
+from radixserve.server.errors import bad_request
+from radixserve.server.exchange import handle
+from radixserve.server.openai.responses_exchange import ResponsesExchange
+from radixserve.server.openai.responses_protocol import ResponsesRequest, input_items
+from radixserve.server.openai.responses_request import (
+    continued,
+    not_found,
+    prepare_response,
+    render_prompt,
+    tenant_of,
 )
-from radixserve.server.openai.responses_render import (
-    Rendered,
-    continuation,
-    first_turn,
-    history_items,
-    truncated,
-)
-from radixserve.server.openai.responses_stream import OutputEvents, replay
+from radixserve.server.openai.responses_stream import replay
 from radixserve.server.response_store import ResponseStore, StoredResponse
-from radixserve.server.serving import Job
-from radixserve.server.tool_calls.parsers import ToolCallStream
-from radixserve.server.tool_calls.tools import (
-    CallReading,
-    call_reading,
-    openai_tool_choice,
-    openai_tools,
-    turn_constraint,
-)
 from radixserve.server.transport import SSE_HEADERS, parse_body, read_body, request_body_doc
-from radixserve.server.validation import checked_sampling_params
 
 ROUTE = "/v1/responses"
 
@@ -84,77 +67,11 @@ def _store(request: Request) -> ResponseStore:
     return request.app.state.responses
 
 
-def tenant_of(api_key: str | None) -> str:
-    """Whose responses a request sees: its API key's (hashed: no secret is stored)."""
-    return hashlib.sha256(api_key.encode()).hexdigest()[:32] if api_key else ""
-
-
-def not_found(response_id: str) -> APIError:
-    return APIError(404, f"Response with id '{response_id}' not found (unknown, deleted, "
-                         "expired, or made with another API key).", param="response_id")
-
-
 def _found(request: Request, response_id: str) -> StoredResponse:
     stored = _store(request).get(response_id, tenant_of(request.state.api_key))
     if stored is None:
         raise not_found(response_id)
     return stored
-
-
-def _namespace(value: Any) -> CacheNamespace:
-    return tuple(value) if isinstance(value, list) else value  # JSON keeps tuples as lists
-
-
-# ----- the prompt -----
-
-
-def _chain(store: ResponseStore, stored: StoredResponse, tenant: str) -> list[StoredResponse]:
-    chain = [stored]
-    while chain[0].previous_response_id is not None:
-        earlier = store.get(chain[0].previous_response_id, tenant)
-        if earlier is None:
-            break  # expired: the conversation starts at what is still stored
-        chain.insert(0, earlier)
-    return chain
-
-
-def render_prompt(ctx: ServerContext, store: ResponseStore, body: ResponsesRequest,
-                  items: list[dict[str, Any]], tools: list[dict[str, Any]], tenant: str,
-                  previous: StoredResponse | None) -> Rendered:
-    """The prompt's tokens: the items after the stored ones (or alone); with truncation
-    "auto", the whole conversation re-rendered less its oldest items when it does not fit."""
-    tokenizer = ctx.tokenizer
-    if previous is None:
-        rendered = Rendered(first_turn(tokenizer, body.instructions, items, tools), 0)
-    else:
-        messages = chat_messages(items)
-        if body.instructions and body.instructions != previous.instructions:
-            # The stored system turn stays as the model saw it; new instructions follow it.
-            messages.insert(0, chat_messages([{"type": "message", "role": "system",
-                                               "content": body.instructions}])[0])
-        rendered = Rendered(continuation(tokenizer, previous, messages),
-                            len(previous.token_ids))
-    fits = ctx.max_model_len - (body.max_output_tokens or 1)
-    if body.truncation != "auto" or len(rendered.token_ids) <= fits:
-        return rendered
-    history = history_items(_chain(store, previous, tenant)) if previous else []
-    instructions = body.instructions or (previous.instructions if previous else None)
-    return truncated(tokenizer, instructions, [*history, *items], tools, fits)
-
-
-def _continued(store: ResponseStore, body: ResponsesRequest, tenant: str,
-               tools: list[dict[str, Any]]) -> StoredResponse | None:
-    if body.previous_response_id is None:
-        return None
-    previous = store.get(body.previous_response_id, tenant)
-    if previous is None:
-        raise not_found(body.previous_response_id)
-    if tools and tools != previous.tools:
-        raise bad_request("tools differ from those of the response this continues: its tokens "
-                          "were rendered with them, and a continuation never re-renders its "
-                          "history. Send the same tools (or none), or start a new "
-                          "conversation without previous_response_id.", "tools")
-    return previous
 
 
 # ----- POST /v1/responses -----
@@ -167,172 +84,6 @@ async def create_response(request: Request) -> Response:
         return await prepare_response(ctx, store, request, raw)
 
     return await handle(request, prepare)
-
-
-async def prepare_response(ctx: ServerContext, store: ResponseStore, request: Request,
-                           raw: bytes) -> ResponsesExchange:
-    body = parse_body(raw, ResponsesRequest)
-    model = ctx.check_model(body.model)
-    body.check_supported()
-    tenant = tenant_of(request.state.api_key)
-    chat_tools = body.function_tools()
-    tools = openai_tools(chat_tools)
-    choice = openai_tool_choice(body.chat_tool_choice(), tools, body.parallel_tool_calls)
-    family = ctx.tool_call_parser
-    constraint = body.output_constraint()
-    structured = turn_constraint([(constraint, "text.format")] if constraint else [], tools,
-                                 choice, family, '"none"')
-    items = input_items(body)
-    if not items:
-        raise bad_request("input is empty; send a string or at least one item.", "input")
-    previous = _continued(store, body, tenant, chat_tools)
-    rendered = await asyncio.to_thread(render_prompt, ctx, store, body, items, chat_tools,
-                                       tenant, previous)
-    params = checked_sampling_params(ctx, body, rendered.token_ids, body.max_output_tokens,
-                                     "input", structured)
-    if previous is not None and not rendered.dropped_items:
-        namespace = _namespace(previous.namespace)
-    else:
-        namespace = cache_namespace(ctx.settings, request.state.api_key, body.prompt_cache_key)
-    keep = body.store is not False
-    # Pinned for the store's TTL: the next turn's prefix stays cached (and on the disk tier).
-    pins = ((len(rendered.token_ids), ctx.settings.responses_ttl),) if keep else ()
-    job = Job(rendered.token_ids, params, namespace, pins)
-    reading = call_reading(tools, choice, family, ctx.engine.grammars) if tools else None
-    stored = StoredResponse(
-        id=f"resp_{uuid.uuid4().hex}", tenant=tenant, token_ids=[],
-        prompt_len=len(rendered.token_ids), history_len=rendered.history_len,
-        namespace=namespace, tools=chat_tools if previous is None else previous.tools,
-        instructions=body.instructions or (previous.instructions if previous else None),
-        input_items=items, previous_response_id=body.previous_response_id)
-    return ResponsesExchange(ctx, store if keep else None, body, model, job, reading, stored,
-                             rendered.dropped_items)
-
-
-class ResponsesExchange(Exchange):
-    """One POST /v1/responses: its job, its output items (streamed as events or returned
-    whole), and its storing once finished."""
-
-    def __init__(self, ctx: ServerContext, store: ResponseStore | None, body: ResponsesRequest,
-                 model: str, job: Job, reading: CallReading | None, record: StoredResponse,
-                 dropped_items: int) -> None:
-        super().__init__(record.id, bool(body.stream))
-        self.ctx = ctx
-        self.store = store
-        self.body = body
-        self.model = model
-        self.job = job
-        self.reading = reading
-        self.record = record
-        self.dropped_items = dropped_items
-        self.created = int(time.time())
-        self.events = OutputEvents()
-        self._calls: ToolCallStream | None = None
-
-    def start(self) -> list[Job]:
-        return [self.job]
-
-    def _headers(self) -> dict[str, str]:
-        # truncation "auto" says what it left out.
-        return {"x-truncated-input-items": str(self.dropped_items)} if self.dropped_items else {}
-
-    def response_headers(self) -> dict[str, str]:
-        return self._headers()
-
-    def stream_headers(self) -> dict[str, str]:
-        return self._headers()
-
-    def _logprobs(self, sample: Any, span: slice) -> list[dict[str, Any]] | None:
-        if self.job.params.logprobs is None:
-            return None
-        return chat_logprobs((sample.logprobs or [])[span], sample.token_ids[span],
-                             self.ctx.token_text)["content"]
-
-    def response(self, status: str, output: list[dict[str, Any]],
-                 usage: dict[str, Any] | None, error: dict[str, Any] | None = None
-                 ) -> dict[str, Any]:
-        body = self.body
-        text_format = (body.text.format if body.text else None) or {"type": "text"}
-        return {
-            "id": self.response_id, "object": "response", "created_at": self.created,
-            "status": status, "background": False, "error": error,
-            "incomplete_details": ({"reason": "max_output_tokens"} if status == "incomplete"
-                                   else None),
-            "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
-            "model": self.model, "output": output,
-            "parallel_tool_calls": body.parallel_tool_calls is not False,
-            "previous_response_id": body.previous_response_id,
-            "reasoning": {"effort": None, "summary": None}, "store": self.store is not None,
-            "temperature": 1.0 if body.temperature is None else body.temperature,
-            "text": {"format": text_format}, "tool_choice": body.tool_choice or "auto",
-            "tools": body.tools or [], "top_p": 1.0 if body.top_p is None else body.top_p,
-            "top_logprobs": body.top_logprobs or 0, "truncation": body.truncation or "disabled",
-            "usage": usage, "metadata": body.metadata or {}, "user": body.user,
-        }
-
-    def _finish(self, final: RequestOutput) -> tuple[dict[str, Any], bytes]:
-        """The finished response (stored, when `store`) and the events that close its stream."""
-        sample = final.outputs[0]
-        status = "incomplete" if sample.finish_reason == "length" else "completed"
-        closing = self.events.finish(status)
-        prompt, output = len(final.prompt_token_ids), len(sample.token_ids)
-        usage = {"input_tokens": prompt,
-                 "input_tokens_details": {"cached_tokens": final.num_cached_tokens},
-                 "output_tokens": output, "output_tokens_details": {"reasoning_tokens": 0},
-                 "total_tokens": prompt + output}
-        body = self.response(status, self.events.output, usage)
-        if self.store is not None:
-            self.record = dataclasses.replace(
-                self.record, body=body, token_ids=[*self.job.prompt_ids, *sample.token_ids])
-            self.store.put(self.record)
-        return body, closing
-
-    def response_body(self, finals: list[RequestOutput]) -> dict[str, Any]:
-        sample = finals[0].outputs[0]
-        everything = slice(0, len(sample.token_ids))
-        if self.reading is None:
-            self.events.text(sample.text, self._logprobs(sample, everything))
-        else:
-            parsed = self.reading.parse(sample.text)
-            if parsed.content or not parsed.calls:
-                logprobs = None if parsed.calls else self._logprobs(sample, everything)
-                self.events.text(parsed.content, logprobs)
-            for i, call in enumerate(parsed.calls):
-                self.events.call(i, call.name, call.arguments)
-        return self._finish(finals[0])[0]
-
-    def opening_events(self) -> list[bytes]:
-        shell = self.response("in_progress", [], None)
-        return [self.events.event("response.created", response=shell),
-                self.events.event("response.in_progress", response=shell)]
-
-    def delta_event(self, delta: Delta) -> bytes | None:
-        sample = delta.sample
-        if self.reading is None:
-            logprobs = self._logprobs(sample, slice(delta.token_start, delta.token_end))
-            return self.events.text(delta.text, logprobs) if delta.text or logprobs else None
-        if self._calls is None:
-            self._calls = self.reading.stream()
-        final = sample.finish_reason is not None
-        visible = sample.text if final else sample.text[: delta.text_offset + len(delta.text)]
-        update = self._calls.feed(visible, final)
-        events = self.events.text(update.content) if update.content else b""
-        for call in update.calls:
-            if self.reading.keeps(call.index):
-                events += self.events.call(call.index, call.name, call.arguments)
-        return events or None
-
-    def closing_events(self, finals: list[RequestOutput]) -> list[bytes]:
-        body, closing = self._finish(finals[0])
-        kind = "response.completed" if body["status"] == "completed" else "response.incomplete"
-        return [closing, self.events.event(kind, response=body)]
-
-    def error_events(self, error: APIError) -> list[bytes]:
-        failure = {"code": error.code or error.type, "message": error.message}
-        return [self.events.event("response.failed",
-                                  response=self.response("failed", self.events.output, None,
-                                                         failure))]
-
 
 # ----- the other routes -----
 
@@ -397,7 +148,7 @@ async def count_input_tokens(request: Request) -> dict[str, Any]:
     tenant = tenant_of(request.state.api_key)
     chat_tools = body.function_tools()
     items = input_items(body)
-    previous = _continued(store, body, tenant, chat_tools)
+    previous = continued(store, body, tenant, chat_tools)
     rendered = await asyncio.to_thread(render_prompt, ctx, store, body, items, chat_tools,
                                        tenant, previous)
     return {"object": "response.input_tokens", "input_tokens": len(rendered.token_ids)}

@@ -77,8 +77,11 @@ class ResponsesRequest(StrictModel):
             raise bad_request(f"{name} is not a parameter this server knows for /v1/responses.",
                               name)
         if self.reasoning and any(v is not None for v in self.reasoning.values()):
-            raise bad_request("reasoning is not supported: this model has no reasoning mode "
-                              "(omit it or send null).", "reasoning")
+            raise bad_request("reasoning (effort, summary) is not supported: no chat template "
+                              "this server renders takes an effort setting, and it writes no "
+                              "summaries. Where the model reasons (--reasoning-parser), its "
+                              "reasoning is returned as a reasoning item. Omit the field or "
+                              "send null.", "reasoning")
         for name in self.include or []:
             if name not in INCLUDABLE:
                 raise bad_request(f"include {name!r} is not supported; this server can include "
@@ -160,25 +163,40 @@ def input_items(body: ResponsesRequest) -> list[dict[str, Any]]:
     items = []
     for item in raw:
         kind = item.get("type", "message")
-        prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}.get(
-            kind, "item")
+        prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
+                  "reasoning": "rs"}.get(kind, "item")
         items.append({"id": f"{prefix}_{uuid.uuid4().hex}", **item, "type": kind})
     return items
 
 
+def _reasoning_text(item: dict[str, Any], path: str) -> str:
+    parts = item.get("content") or item.get("summary") or []
+    if not isinstance(parts, list) or not all(isinstance(p, dict) for p in parts):
+        raise bad_request(f"{path}.content must be a list of reasoning_text parts.",
+                          f"{path}.content")
+    return "".join(str(part.get("text", "")) for part in parts)
+
+
 def chat_messages(items: list[dict[str, Any]], param: str = "input") -> list[ChatMessage]:
     """Input items as chat messages: consecutive function calls join one assistant message
-    (the one before them, if it is the assistant's), outputs become tool messages."""
+    (the one before them, if it is the assistant's), outputs become tool messages, and a
+    reasoning item is the next assistant message's `reasoning_content` (templates that keep
+    earlier reasoning render it)."""
     messages: list[ChatMessage] = []
+    thought: str | None = None
     for i, item in enumerate(items):
         kind, path = item.get("type"), f"{param}.{i}"
-        if kind == "message":
+        if kind == "reasoning":
+            thought = _reasoning_text(item, path)
+        elif kind == "message":
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
                 raise bad_request(f"{path}.role must be user, system, developer or assistant.",
                                   f"{path}.role")
             messages.append(ChatMessage(role=role, content=_text(item.get("content"),
                                                                  f"{path}.content")))
+            if role == "assistant":
+                messages[-1].reasoning_content, thought = thought, None
         elif kind == "function_call":
             call = {"id": item.get("call_id"), "type": "function",
                     "function": {"name": item.get("name"),
@@ -187,12 +205,15 @@ def chat_messages(items: list[dict[str, Any]], param: str = "input") -> list[Cha
             if last is not None and last.role == "assistant":
                 last.tool_calls = [*(last.tool_calls or []), call]
             else:
-                messages.append(ChatMessage(role="assistant", content="", tool_calls=[call]))
+                messages.append(ChatMessage(role="assistant", content="", tool_calls=[call],
+                                            reasoning_content=thought))
+                thought = None
         elif kind == "function_call_output":
             output = item.get("output")
             messages.append(ChatMessage(role="tool", tool_call_id=item.get("call_id"),
                                         content=_text(output, f"{path}.output")))
         else:
             raise bad_request(f"input item type {kind!r} is not supported (message, "
-                              "function_call and function_call_output are).", f"{path}.type")
+                              "function_call, function_call_output and reasoning are).",
+                              f"{path}.type")
     return messages

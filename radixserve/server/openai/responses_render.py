@@ -88,7 +88,7 @@ def _as_input(item: dict[str, Any]) -> dict[str, Any]:
     if item.get("type") == "message":
         text = "".join(part.get("text", "") for part in item.get("content", []))
         return {"type": "message", "role": "assistant", "content": text}
-    return {k: item[k] for k in ("type", "call_id", "name", "arguments") if k in item}
+    return {k: item[k] for k in ("type", "call_id", "name", "arguments", "content") if k in item}
 
 
 def truncated(tokenizer: ChatTokenizer, instructions: str | None, items: list[dict[str, Any]],

@@ -1,6 +1,7 @@
 """A response's output items as they grow, and the Responses stream events that say so, each
-with its `sequence_number`: a message item (its output_text part's deltas) and function_call
-items (their arguments' deltas), opened and closed in order. A non-streamed response builds the
+with its `sequence_number`: a reasoning item (its reasoning_text part's deltas), a message item
+(its output_text part's deltas) and function_call items (their arguments' deltas), opened and
+closed in order. A non-streamed response builds the
 same items in one go, so both forms carry the same output.
 """
 
@@ -59,6 +60,27 @@ class OutputEvents:
                                  delta=delta, logprobs=logprobs or [])
         return events
 
+    def reasoning(self, delta: str, item_id: str | None = None) -> bytes:
+        """Adds text to the open reasoning item (opening one first if needed): the model's
+        reasoning as it wrote it, a `reasoning_text` part; no summary is made of it."""
+        events = b""
+        item = self._open
+        if item is None or item["type"] != "reasoning":
+            events += self.close()
+            part = {"type": "reasoning_text", "text": ""}
+            item = {"id": item_id or _id("rs"), "type": "reasoning", "status": "in_progress",
+                    "summary": [], "content": [part]}
+            events += self._add(item)
+            events += self.event("response.content_part.added", item_id=item["id"],
+                                 output_index=len(self.output) - 1, content_index=0,
+                                 part={**part})
+        item["content"][0]["text"] += delta
+        if delta:
+            events += self.event("response.reasoning_text.delta", item_id=item["id"],
+                                 output_index=len(self.output) - 1, content_index=0,
+                                 delta=delta)
+        return events
+
     def call(self, index: int, name: str | None, arguments: str,
              ids: tuple[str, str] | None = None) -> bytes:
         """Starts call `index` (when `name` is given) or adds to its arguments."""
@@ -92,6 +114,12 @@ class OutputEvents:
                                  logprobs=part["logprobs"])
             events += self.event("response.content_part.done", item_id=item["id"],
                                  output_index=index, content_index=0, part=part)
+        elif item["type"] == "reasoning":
+            part = item["content"][0]
+            events += self.event("response.reasoning_text.done", item_id=item["id"],
+                                 output_index=index, content_index=0, text=part["text"])
+            events += self.event("response.content_part.done", item_id=item["id"],
+                                 output_index=index, content_index=0, part=part)
         else:
             events += self.event("response.function_call_arguments.done", item_id=item["id"],
                                  output_index=index, name=item["name"],
@@ -115,6 +143,9 @@ def replay(body: dict[str, Any]) -> list[bytes]:
         if item["type"] == "message":
             part = item["content"][0] if item["content"] else {"text": "", "logprobs": []}
             out.append(events.text(part["text"], part.get("logprobs"), item["id"]))
+        elif item["type"] == "reasoning":
+            text = "".join(part["text"] for part in item.get("content") or [])
+            out.append(events.reasoning(text, item["id"]))
         else:
             out.append(events.call(len(events.output), item["name"], item["arguments"],
                                    (item["id"], item["call_id"])))
