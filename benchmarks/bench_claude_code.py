@@ -132,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="turns with the strip off (default: --turns)")
     p.add_argument("--max-tokens", type=int, default=16, help="each turn's answer")
     p.add_argument("--num-threads", type=int, default=None, help="server torch threads")
+    p.add_argument("--timeout-s", type=float, default=3600,
+                   help="per request: a cold 12k-29k-token prefill on a shared 2-core machine "
+                   "can pass 15 minutes")
     p.add_argument("--out", type=Path, help="write the results here as JSON")
     args = p.parse_args(argv)
     threads = ["--num-threads", str(args.num_threads)] if args.num_threads else []
@@ -150,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
                                   Path(tmp) / f"{flag}.log")
             try:
                 with anthropic.Anthropic(base_url=server.base_url, api_key="unused",
-                                         max_retries=0, timeout=900) as client:
+                                         max_retries=0, timeout=args.timeout_s) as client:
                     rows += run_session(client, system_prompt, args, strip)
             finally:
                 server.stop()

@@ -27,7 +27,10 @@ def claude(server: ServerProcess, home: Path, model: str, prompt: str, *flags: s
     the latest); its JSON result."""
     env = {"PATH": os.environ.get("PATH", ""), "HOME": str(home),
            "ANTHROPIC_BASE_URL": server.base_url, **CLIENT_ENV,
-           "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(max_output_tokens)}
+           "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(max_output_tokens),
+           # The CLI's own per-request limit (10 minutes by default) must not cut a cold
+           # long prefill short and send it again.
+           "API_TIMEOUT_MS": str(int(timeout_s * 1000))}
     done = subprocess.run(
         [str(CLAUDE), "-p", "--output-format", "json", "--model", model, *flags, prompt],
         env=env, cwd=home, capture_output=True, text=True, timeout=timeout_s)
