@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from radixserve.sampling_params import MAX_SPECULATIVE_TOKENS, SPECULATIVE_METHODS
+
 PREFIX_CACHE_MODES = ("radix", "hash", "off")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -88,6 +90,11 @@ class EngineConfig:
     kv_events_block_size: int = 16
     kv_events_topic: str = ""
     kv_events_buffer_steps: int = 10_000
+    # Speculative decoding without a draft model (radixserve/engine/speculative): one of
+    # SPECULATIVE_METHODS, drafting up to num_speculative_tokens per request and step. Off by
+    # default until the benchmark's figures say which default pays (BENCHMARKS.md).
+    speculative: str = "off"
+    num_speculative_tokens: int = 4
     num_threads: int | None = None  # torch CPU threads; None keeps torch's default
     seed: int = 0  # seeds sampling for requests that carry no seed of their own
     show_progress: bool = True
@@ -117,6 +124,11 @@ class EngineConfig:
              f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         need(self.matmul_backend in MATMUL_BACKENDS,
              f"matmul_backend must be one of {MATMUL_BACKENDS}, got {self.matmul_backend!r}")
+        need(self.speculative in SPECULATIVE_METHODS,
+             f"speculative must be one of {SPECULATIVE_METHODS}, got {self.speculative!r}")
+        need(1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
+             f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], "
+             f"got {self.num_speculative_tokens}")
         need(self.page_size >= 1, "page_size must be >= 1")
         need(self.kv_cache_tokens is None or self.kv_cache_tokens >= self.page_size,
              "kv_cache_tokens must be at least one page")

@@ -34,6 +34,8 @@ from radixserve.engine.setup import (
     resolve_device,
     resolve_dtype,
 )
+from radixserve.engine.speculative.cost_model import StepCostModel
+from radixserve.engine.speculative.policy import Speculation, SpeculationSettings
 from radixserve.engine.structured_output import GrammarCompiler
 from radixserve.kernels.cpu import describe as describe_cpu
 from radixserve.kv_tier.blocks import ModelFingerprint, weights_identity
@@ -89,14 +91,19 @@ class LLMEngine:
                                                              * config.max_pinned_fraction))
         attention = build_attention(config, mc, self.pool.num_slots, self.device, self.dtype)
         self.offload = self._kv_offload(attention.name) if config.kv_offload_dir else None
+        self.speculation = Speculation(SpeculationSettings(
+            config.speculative, config.num_speculative_tokens, self.max_model_len))
         self.scheduler = Scheduler(config, self.pool.allocator, self.cache, clock,
-                                   tier=self.offload, device_type=self.device.type)
+                                   tier=self.offload, device_type=self.device.type,
+                                   speculation=self.speculation)
         # Requests without a seed of their own draw from this one generator (vLLM's rule).
         generator = torch.Generator().manual_seed(config.seed)
         self.runner = ModelRunner(self.model, self.pool, attention, self.device, generator)
         self.detokenizer = Detokenizer(self.tokenizer, self.max_model_len)
         self.grammars = GrammarCompiler(self.tokenizer)
         self.postprocessor = Postprocessor(self.scheduler, self.detokenizer, clock)
+        if config.speculative == "auto":
+            self.speculation.cost = StepCostModel.measure(self._timed_forward)
         self.groups: dict[str, list[Request]] = {}
         # Cumulative seconds: scheduling and bookkeeping vs the model with sampling.
         self.bookkeeping_seconds = 0.0
@@ -202,6 +209,9 @@ class LLMEngine:
                 namespace_bytes(namespace)  # the tier keys entries by it
             except TypeError as exc:
                 raise ValueError(str(exc)) from exc
+        if (params.speculative == "auto" and self.speculation.cost is None):
+            raise ValueError("speculative 'auto' needs an engine started with speculative="
+                             "'auto' (its cost model is measured at start-up)")
         text = prompt if isinstance(prompt, str) else None
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.check_prompt(ids, params)
@@ -251,6 +261,9 @@ class LLMEngine:
             self._check_invariants()
             return []
         self._check_slot_mirrors()
+        if plan.decodes or plan.verifies:
+            self.speculation.counters.steps += 1
+            self.speculation.counters.speculative_steps += bool(plan.verifies)
         model_started = time.perf_counter()
         try:
             result = self.runner.run(plan, self.detokenizer.banned_tokens)
@@ -293,6 +306,10 @@ class LLMEngine:
             return self.runner.forward(plan)[0][0]
         finally:
             self.pool.allocator.release(request.slots)
+
+    def _timed_forward(self, rows: int) -> None:
+        """One uncached step of `rows` rows (the speculation cost model's probe)."""
+        self.prompt_logits([i % self.model_config.vocab_size for i in range(1, rows + 1)])
 
     # ----- accounting -----
 
