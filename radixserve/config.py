@@ -5,9 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from radixserve.sampling_params import MAX_SPECULATIVE_TOKENS, SPECULATIVE_METHODS
-
 PREFIX_CACHE_MODES = ("radix", "hash", "off")
+# Speculative decoding (radixserve/engine/speculative). This module imports nothing, so
+# sampling_params.py, which checks a request's own choice, holds the same two values (a test
+# keeps them equal).
+SPECULATIVE_METHODS = ("off", "ngram", "suffix", "auto")
+MAX_SPECULATIVE_TOKENS = 32
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Decode attention (radixserve/layers/attention): kernel, our C++ decode attention reading the

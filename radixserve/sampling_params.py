@@ -13,7 +13,7 @@ from typing import Any
 
 # Speculative decoding (radixserve/engine/speculative): off, drafts from the request's own
 # tokens (ngram), also from its namespace's earlier requests (suffix), or suffix where the
-# start-up cost model says a step gains from it (auto).
+# start-up cost model says a step gains from it (auto). The same values as config.py's.
 SPECULATIVE_METHODS = ("off", "ngram", "suffix", "auto")
 MAX_SPECULATIVE_TOKENS = 32
 

@@ -209,9 +209,6 @@ class LLMEngine:
                 namespace_bytes(namespace)  # the tier keys entries by it
             except TypeError as exc:
                 raise ValueError(str(exc)) from exc
-        if (params.speculative == "auto" and self.speculation.cost is None):
-            raise ValueError("speculative 'auto' needs an engine started with speculative="
-                             "'auto' (its cost model is measured at start-up)")
         text = prompt if isinstance(prompt, str) else None
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.check_prompt(ids, params)
@@ -236,6 +233,9 @@ class LLMEngine:
         that can be served (not empty, ids in the vocabulary, fits the context and the pool).
         Raises ValueError naming the problem."""
         self.limits.check(ids, params, self.grammars)
+        if params.speculative == "auto" and self.speculation.cost is None:
+            raise ValueError("speculative 'auto' needs an engine started with speculative="
+                             "'auto' (its cost model is measured at start-up)")
 
     def abort_request(self, request_id: str) -> None:
         """Ends a request at any point; everything it holds is released. Unknown ids: no-op."""
