@@ -102,8 +102,6 @@ class LLMEngine:
         self.detokenizer = Detokenizer(self.tokenizer, self.max_model_len)
         self.grammars = GrammarCompiler(self.tokenizer)
         self.postprocessor = Postprocessor(self.scheduler, self.detokenizer, clock)
-        if config.speculative == "auto":
-            self.speculation.cost = StepCostModel.measure(self._timed_forward)
         self.groups: dict[str, list[Request]] = {}
         # Cumulative seconds: scheduling and bookkeeping vs the model with sampling.
         self.bookkeeping_seconds = 0.0
@@ -112,6 +110,11 @@ class LLMEngine:
         # Started last, so that a failed start leaves no thread or bound port behind.
         self._kv_recorder: KVEventRecorder | None = None
         self.kv_events: KVEventPublisher | None = None
+        if config.speculative == "auto":
+            self.speculation.cost = StepCostModel.measure(self._timed_forward)
+            logger.info("speculation cost model: step seconds %s at rows %s",
+                        [round(t, 4) for t in self.speculation.cost.seconds],
+                        list(self.speculation.cost.rows))
         if config.kv_events_endpoint:
             self._start_kv_events()
         logger.info(
@@ -309,7 +312,7 @@ class LLMEngine:
 
     def _timed_forward(self, rows: int) -> None:
         """One uncached step of `rows` rows (the speculation cost model's probe)."""
-        self.prompt_logits([i % self.model_config.vocab_size for i in range(1, rows + 1)])
+        self.prompt_logits([(7 * i + 1) % self.model_config.vocab_size for i in range(rows)])
 
     # ----- accounting -----
 
