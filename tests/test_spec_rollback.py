@@ -48,11 +48,12 @@ def _engine(checkpoint, **settings) -> LLM:
                **settings)
 
 
-def test_greedy_speculation_equals_plain_decoding_on_a_float_model(checkpoint):
+@pytest.mark.parametrize("mode", ["ngram", "auto"])
+def test_greedy_speculation_equals_plain_decoding_on_a_float_model(checkpoint, mode):
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in _prompts()]
     plain = _engine(checkpoint, kv_cache_tokens=2048).generate(prompts, params)
-    spec = _engine(checkpoint, kv_cache_tokens=2048, speculative="ngram",
+    spec = _engine(checkpoint, kv_cache_tokens=2048, speculative=mode,
                    num_speculative_tokens=5)
     fast = spec.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in fast] == [o.outputs[0].token_ids for o in plain]

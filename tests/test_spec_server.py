@@ -34,6 +34,11 @@ def test_a_request_chooses_its_speculation_and_gets_plain_decodings_output(serve
 
         plain = chat({"speculative": "off"})
         assert chat({"speculative": "ngram", "num_speculative_tokens": 3}) == plain
+        stream = client.chat.completions.create(
+            model=DEFAULT_MODEL_NAME, messages=ASK, max_tokens=24, temperature=0, stream=True,
+            extra_body={"speculative": "suffix"})
+        assert "".join(chunk.choices[0].delta.content or "" for chunk in stream
+                       if chunk.choices) == plain
         assert chat({}) == plain  # the server's auto
         completion = client.completions.create(
             model=DEFAULT_MODEL_NAME, prompt="one two three one two three one two", max_tokens=8,

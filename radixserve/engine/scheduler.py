@@ -134,8 +134,7 @@ class Scheduler:
         if request.finished:
             return
         if self.speculation is not None:
-            self.speculation.finished(request.namespace, request.token_ids,
-                                      len(request.prompt_token_ids))
+            self.speculation.finished(request)
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
             self._release(request, publish=keep_kv)

@@ -13,7 +13,6 @@ Never speculated, and why:
 from __future__ import annotations
 
 import time
-from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -89,7 +88,10 @@ class Speculation:
         request.spec_accepted += accepted
         self.counters.record(drafted, accepted)
 
-    def finished(self, namespace: Hashable, tokens: list[int], prompt_len: int) -> None:
-        """Feeds a finished request's verified tokens to its namespace's shared table."""
-        if len(tokens) > prompt_len:
-            self.suffix.learn(namespace, tokens, prompt_len)
+    def finished(self, request: SpeculatingRequest) -> None:
+        """Feeds a finished request's verified tokens to its namespace's shared table, where
+        its method reads that table (the table's upkeep is not paid with speculation off)."""
+        prompt_len = len(request.prompt_token_ids)
+        if self.method_of(request.params) in ("suffix", "auto") and \
+                len(request.token_ids) > prompt_len:
+            self.suffix.learn(request.namespace, request.token_ids, prompt_len)
