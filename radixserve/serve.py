@@ -163,7 +163,8 @@ def _cache_flags(cache: argparse._ArgumentGroup) -> None:
                             "the request's own prompt and output, suffix also from earlier "
                             "requests of its namespace (cache_salt), auto as suffix where a "
                             "start-up cost model says the step gains (off when many rows run); "
-                            "greedy requests only, output unchanged. A request may override it "
+                            "greedy output unchanged, sampled output's distribution unchanged, "
+                            "constrained requests never speculate. A request may override it "
                             "(extra_body speculative, num_speculative_tokens)")
     cache.add_argument("--num-speculative-tokens", type=int,
                        default=EngineConfig.num_speculative_tokens,

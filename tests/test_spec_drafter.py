@@ -1,10 +1,12 @@
 """The speculative drafter's parts without a model: the n-gram index against a brute-force
-search, the namespace table's isolation and bound, the greedy acceptance rule, and the cost
-model's choice (a compute-bound step never drafts)."""
+search, the namespace table's isolation and bound, the greedy and sampled acceptance rules (the
+sampled one against the distributions it must preserve, by frequencies), and the cost model's
+choice (a compute-bound step never drafts)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -12,7 +14,7 @@ from radixserve import config, sampling_params
 from radixserve.engine.speculative.cost_model import StepCostModel
 from radixserve.engine.speculative.namespace_table import NamespaceTable
 from radixserve.engine.speculative.ngram_index import NgramIndex
-from radixserve.engine.speculative.verify import accept_greedy
+from radixserve.engine.speculative.verify import accept_greedy, accept_sampled
 
 
 def _brute(tokens: list[int], min_n: int, max_n: int, k: int) -> tuple[int, list[int]]:
@@ -77,3 +79,23 @@ def test_the_speculative_settings_are_the_same_for_requests_and_the_engine():
         sampling_params.SamplingParams(speculative="eagle")
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         config.EngineConfig(num_speculative_tokens=0)
+
+
+def test_sampled_acceptance_gives_each_token_the_models_distribution():
+    # Row j's distribution holds after the draft's first j tokens were output: the first token
+    # must follow p0, the second p1 when the first was the draft's, the third p2 likewise.
+    probs = torch.tensor([[0.1, 0.2, 0.4, 0.2, 0.1],
+                          [0.3, 0.05, 0.05, 0.5, 0.1],
+                          [0.0, 0.6, 0.1, 0.1, 0.2]], dtype=torch.float64)
+    draft = [2, 3]
+    generator = torch.Generator().manual_seed(7)
+    trials = 20_000
+    outcomes = [accept_sampled(draft, probs, generator) for _ in range(trials)]
+    checks = [(0, [o[0] for o in outcomes]),
+              (1, [o[1] for o in outcomes if o[0] == 2]),
+              (2, [o[2] for o in outcomes if o[:2] == [2, 3]])]
+    for row, tokens in checks:
+        counts = torch.bincount(torch.tensor(tokens), minlength=5).double()
+        expected = probs[row] * len(tokens)
+        sigma = (expected * (1 - probs[row])).sqrt().clamp(min=1.0)
+        assert ((counts - expected).abs() <= 4.5 * sigma).all(), (row, counts, expected)

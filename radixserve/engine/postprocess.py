@@ -15,7 +15,6 @@ from radixserve.engine.detokenizer import Detokenizer, Stop
 from radixserve.engine.request import Request, RequestStatus
 from radixserve.engine.runner import StepResult, VerifiedRow
 from radixserve.engine.scheduler import Scheduler, SchedulerOutput
-from radixserve.engine.speculative.verify import accept_greedy
 from radixserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
 
 logger = logging.getLogger(__name__)
@@ -54,11 +53,10 @@ class Postprocessor:
 
     def _verified(self, row: VerifiedRow, now: float) -> None:
         request = row.request
-        accepted = accept_greedy(row.draft, row.targets)
         if self.speculation is not None:
-            self.speculation.verified(request, len(row.draft), len(accepted) - 1)
+            self.speculation.verified(request, len(row.draft), len(row.tokens) - 1)
         stop = None
-        for token, logprob in zip(accepted, row.logprobs, strict=False):
+        for token, logprob in zip(row.tokens, row.logprobs, strict=True):
             stop = self._take(request, token, logprob, now)
             if stop is not None:
                 break

@@ -5,7 +5,7 @@ Decode tokens come first in the flattened batch, then prefill chunks; only rows 
 request's known tokens get logits for sampling (a mid-prompt chunk needs none, nor a prompt with
 max_tokens 0, which is computed to be scored). A speculating request's row (its newest token
 and a draft) runs as a short chunk after the decode rows, with logits at every position, each
-sampled as if the draft before it were the output (radixserve/engine/speculative). A request that
+verified as if the draft before it were the output (radixserve/engine/speculative). A request that
 asks for prompt log-probabilities also has its prompt rows scored, a slice at a time, so a long
 chunk never holds its [rows, vocab] logits at once.
 """
@@ -21,9 +21,15 @@ import torch
 
 from radixserve.engine.kv_pool import KVPool
 from radixserve.engine.request import Request
-from radixserve.engine.sampler import SamplerKernels, sample
+from radixserve.engine.sampler import (
+    SamplerKernels,
+    sample,
+    sampling_distributions,
+    top_logprobs,
+)
 from radixserve.engine.sampling_rows import SampleResult, SampleRow
 from radixserve.engine.scheduler import ScheduledDraft, SchedulerOutput
+from radixserve.engine.speculative.verify import accept_greedy, accept_sampled
 from radixserve.engine.structured_output import fill_masks
 from radixserve.kernels import argmax_op, token_bitmask_op
 from radixserve.layers.attention import SequenceSpan, StepAttention, StepLayout
@@ -58,12 +64,12 @@ class StepBatch(NamedTuple):
 
 @dataclass(frozen=True)
 class VerifiedRow:
-    """A speculating request's draft with the model's token (and logprob, when asked for) at
-    each of its 1 + len(draft) positions."""
+    """A speculating request's draft and the tokens verification gave it: the accepted draft
+    tokens and then the model's own (with their logprobs, when asked for)."""
 
     request: Request
     draft: list[int]
-    targets: list[int]
+    tokens: list[int]
     logprobs: list[TokenLogprob | None]
 
 
@@ -189,28 +195,50 @@ class ModelRunner:
         rows = [SampleRow(r.params, r.generator or self.generator, banned(r, 0), r.token_ids,
                           len(r.prompt_token_ids), allowed.get(id(r)))
                 for r in wants_logits]
+        logits = logits.cpu()
         # Row j of a draft samples as plain decoding would after the draft's first j tokens
         # (penalties read them, min_tokens counts them); speculating requests are never
         # constrained (see speculative/policy.py).
+        draft_rows = []
         for item in verifies:
             r = item.request
-            rows.extend(SampleRow(r.params, r.generator or self.generator, banned(r, j),
-                                  r.token_ids + item.draft[:j], len(r.prompt_token_ids))
-                        for j in range(1 + len(item.draft)))
-        with torch.inference_mode():
-            samples = sample(logits.cpu(), rows, self._sampler_kernels)
-        plain = len(wants_logits)
-        verified = []
+            draft_rows.append([SampleRow(r.params, r.generator or self.generator, banned(r, j),
+                                         r.token_ids + item.draft[:j], len(r.prompt_token_ids))
+                               for j in range(1 + len(item.draft))])
+        # Greedy drafts' rows are argmaxes, batched with the plain rows.
+        greedy = [i for i, item in enumerate(verifies) if item.request.params.greedy]
+        first_row = [len(rows)]
         for item in verifies:
-            n = 1 + len(item.draft)
-            verified.append(VerifiedRow(item.request, item.draft,
-                                        samples.token_ids[plain : plain + n],
-                                        samples.logprobs[plain : plain + n]))
-            plain += n
+            first_row.append(first_row[-1] + 1 + len(item.draft))
+        at = list(range(len(rows))) + [row for i in greedy
+                                       for row in range(first_row[i], first_row[i + 1])]
+        with torch.inference_mode():
+            samples = (sample(logits[at], rows + [row for i in greedy for row in draft_rows[i]],
+                              self._sampler_kernels) if at else SampleResult([], []))
+            verified = []
+            done = len(rows)
+            for i, item in enumerate(verifies):
+                n = 1 + len(item.draft)
+                if item.request.params.greedy:
+                    tokens = accept_greedy(item.draft, samples.token_ids[done : done + n])
+                    logprobs = samples.logprobs[done : done + len(tokens)]
+                    done += n
+                else:
+                    tokens, logprobs = self._verify_sampled(
+                        item, logits[first_row[i] : first_row[i + 1]], draft_rows[i])
+                verified.append(VerifiedRow(item.request, item.draft, tokens, logprobs))
         return StepResult(wants_logits,
-                          SampleResult(samples.token_ids[: len(wants_logits)],
-                                       samples.logprobs[: len(wants_logits)]),
+                          SampleResult(samples.token_ids[: len(rows)],
+                                       samples.logprobs[: len(rows)]),
                           prompt_logprobs, verified)
+
+    def _verify_sampled(self, item: ScheduledDraft, logits: torch.Tensor,
+                        rows: list[SampleRow]) -> tuple[list[int], list[TokenLogprob | None]]:
+        """A sampled request's tokens from its draft rows, by the exact acceptance rule."""
+        adjusted, probs = sampling_distributions(logits, rows, self._sampler_kernels)
+        tokens = accept_sampled(item.draft, probs, rows[0].generator)
+        logprobs = top_logprobs(adjusted[: len(tokens)], tokens, rows[: len(tokens)])
+        return tokens, logprobs
 
     @torch.inference_mode()
     def _score_prompt(self, hidden: torch.Tensor, span: PromptLogprobSpan) -> list[TokenLogprob]:

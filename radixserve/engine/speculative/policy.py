@@ -2,10 +2,11 @@
 the request's own (SamplingParams.speculative / num_speculative_tokens), within what the request
 can still produce, and under `auto` the start-up cost model and the request's acceptance so far.
 
+Sampled requests speculate too, verified by the exact rule (verify.py); a seeded one is
+reproducible under the same drafts (ngram: its own tokens), not token for token equal to its
+plain decoding (the draws differ, the distribution does not).
+
 Never speculated, and why:
-- sampled requests (temperature > 0): their exact acceptance rule (accept a draft token x with
-  probability p(x), else sample from p without x) is not implemented yet; plain decoding keeps
-  their distribution exact;
 - constrained requests (structured output, forced tool calls): a draft token is not checked by
   the grammar, and rolling the matcher back is not implemented; plain decoding never leaves it.
 """
@@ -65,7 +66,7 @@ class Speculation:
         decode row); `budget` caps their number, `rows` is the step's decode rows so far."""
         params = request.params
         method = self.method_of(params)
-        if method == "off" or not params.greedy or request.matcher is not None:
+        if method == "off" or request.matcher is not None:
             return []
         k = min(params.num_speculative_tokens or self.settings.num_tokens, budget,
                 # past max_tokens or the context nothing verified could be kept

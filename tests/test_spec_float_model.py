@@ -1,12 +1,15 @@
-"""Speculation's KV bookkeeping on a tiny random-weight float model: a hypothesis state machine
-adds, steps and aborts speculating requests in a pool small enough to evict and preempt, and
-checks after every move that slot accounting balances, that every key the radix tree was given
-is a prefix of a sequence plain decoding produces (a rejected draft token never reaches it),
-and that finished outputs equal plain decoding's."""
+"""Speculation on a tiny random-weight float model: greedy output equals plain decoding's
+(ngram and auto); sampled output keeps plain sampling's distribution (frequencies over many
+seeds, top-k and top-p on) and a seeded request repeats; and a hypothesis state machine adds,
+steps and aborts speculating requests in a pool small enough to evict and preempt, checking
+after every move that slot accounting balances, that every key the radix tree was given is a
+prefix of a sequence plain decoding produces (a rejected draft token never reaches it), and
+that finished outputs equal plain decoding's."""
 
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import pytest
 import torch
@@ -58,6 +61,36 @@ def test_greedy_speculation_equals_plain_decoding_on_a_float_model(checkpoint, m
     fast = spec.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in fast] == [o.outputs[0].token_ids for o in plain]
     assert spec.engine.speculation.counters.accepted_tokens > 0
+
+
+def test_sampled_speculation_keeps_the_distribution(checkpoint):
+    seeds = range(300)
+
+    def params(seed: int) -> SamplingParams:
+        return SamplingParams(max_tokens=4, temperature=0.6, top_k=3, top_p=0.95,
+                              seed=seed, ignore_eos=True)
+
+    plain = _engine(checkpoint, kv_cache_tokens=4096, prefix_cache="off")
+    # The model repeats the prompt's motif often enough at this temperature that drafts are
+    # sometimes right and sometimes not.
+    prompt = {"prompt_token_ids": _prompts()[0]}
+    spec = _engine(checkpoint, kv_cache_tokens=4096, prefix_cache="off", speculative="ngram",
+                   num_speculative_tokens=3)
+    want = [o.outputs[0].token_ids for o in plain.generate([prompt] * len(seeds),
+                                                           [params(s) for s in seeds])]
+    got = [o.outputs[0].token_ids for o in spec.generate([prompt] * len(seeds),
+                                                         [params(s) for s in seeds])]
+    counters = spec.engine.speculation.counters
+    assert 0 < counters.accepted_tokens < counters.draft_tokens
+    for position in range(1, 4):  # the first token comes from the prefill, never a draft
+        a = Counter(t[position] for t in want)
+        b = Counter(t[position] for t in got)
+        for token in a.keys() | b.keys():
+            # Two counts of one token: their difference's variance is about their sum.
+            assert abs(a[token] - b[token]) <= 4.5 * (a[token] + b[token]) ** 0.5 + 2, (
+                position, token, a, b)
+    again = spec.generate([prompt] * 2, [params(11)] * 2)  # a seed repeats under one draft rule
+    assert again[0].outputs[0].token_ids == again[1].outputs[0].token_ids
 
 
 def test_speculation_never_publishes_an_unverified_token(checkpoint):
