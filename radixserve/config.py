@@ -6,6 +6,11 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 PREFIX_CACHE_MODES = ("radix", "hash", "off")
+# Speculative decoding (radixserve/engine/speculative). This module imports nothing, so
+# sampling_params.py, which checks a request's own choice, holds the same two values (a test
+# keeps them equal).
+SPECULATIVE_METHODS = ("off", "ngram", "suffix", "auto")
+MAX_SPECULATIVE_TOKENS = 32
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Decode attention (radixserve/layers/attention): kernel, our C++ decode attention reading the
@@ -93,6 +98,11 @@ class EngineConfig:
     grammar_int64_integers: bool = True
     grammar_max_number_chars: int = 24
     grammar_max_whitespace_run: int = 64
+    # Speculative decoding without a draft model (radixserve/engine/speculative): one of
+    # SPECULATIVE_METHODS, drafting up to num_speculative_tokens per request and step. Off by
+    # default until the benchmark's figures say which default pays (BENCHMARKS.md).
+    speculative: str = "off"
+    num_speculative_tokens: int = 4
     num_threads: int | None = None  # torch CPU threads; None keeps torch's default
     seed: int = 0  # seeds sampling for requests that carry no seed of their own
     show_progress: bool = True
@@ -122,6 +132,11 @@ class EngineConfig:
              f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         need(self.matmul_backend in MATMUL_BACKENDS,
              f"matmul_backend must be one of {MATMUL_BACKENDS}, got {self.matmul_backend!r}")
+        need(self.speculative in SPECULATIVE_METHODS,
+             f"speculative must be one of {SPECULATIVE_METHODS}, got {self.speculative!r}")
+        need(1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
+             f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], "
+             f"got {self.num_speculative_tokens}")
         need(self.page_size >= 1, "page_size must be >= 1")
         need(self.kv_cache_tokens is None or self.kv_cache_tokens >= self.page_size,
              "kv_cache_tokens must be at least one page")

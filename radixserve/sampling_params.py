@@ -11,6 +11,12 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+# Speculative decoding (radixserve/engine/speculative): off, drafts from the request's own
+# tokens (ngram), also from its namespace's earlier requests (suffix), or suffix where the
+# start-up cost model says a step gains from it (auto). The same values as config.py's.
+SPECULATIVE_METHODS = ("off", "ngram", "suffix", "auto")
+MAX_SPECULATIVE_TOKENS = 32
+
 
 class SamplingParamError(ValueError):
     """A sampling setting out of range: `field` names it, `problem` says what is wrong
@@ -97,6 +103,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     structured_outputs: StructuredOutputsParams | None = None
+    # This request's speculative decoding, overriding the engine's (None: the engine's).
+    speculative: str | None = None
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -140,6 +149,13 @@ class SamplingParams:
              f"must be in [-2, 2], got {self.frequency_penalty}"),
             ("repetition_penalty", 0 < self.repetition_penalty <= 2,
              f"must be in (0, 2], got {self.repetition_penalty}"),
+            ("speculative", self.speculative is None or self.speculative in SPECULATIVE_METHODS,
+             f"must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.speculative!r}"),
+            ("num_speculative_tokens", self.num_speculative_tokens is None or (
+                isinstance(self.num_speculative_tokens, int)
+                and 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS),
+             f"must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], "
+             f"got {self.num_speculative_tokens!r}"),
         ]
         for name, ok, problem in checks:
             if not ok:

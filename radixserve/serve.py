@@ -30,6 +30,7 @@ from radixserve.config import (
     PREFIX_CACHE_MODES,
     QUANTIZATIONS,
     SCHEDULE_POLICIES,
+    SPECULATIVE_METHODS,
     EngineConfig,
 )
 from radixserve.home import cache_home
@@ -159,6 +160,18 @@ def _cache_flags(cache: argparse._ArgumentGroup) -> None:
     cache.add_argument("--max-pinned-fraction", type=float, default=0.5,
                        help="most of the KV pool that cache_control TTL pins may hold; beyond "
                             "it the oldest pin yields first")
+    cache.add_argument("--speculative", choices=SPECULATIVE_METHODS,
+                       default=EngineConfig.speculative,
+                       help="speculative decoding without a draft model: ngram drafts from "
+                            "the request's own prompt and output, suffix also from earlier "
+                            "requests of its namespace (cache_salt), auto as suffix where a "
+                            "start-up cost model says the step gains (off when many rows run); "
+                            "greedy output unchanged, sampled output's distribution unchanged, "
+                            "constrained requests never speculate. A request may override it "
+                            "(extra_body speculative, num_speculative_tokens)")
+    cache.add_argument("--num-speculative-tokens", type=int,
+                       default=EngineConfig.num_speculative_tokens,
+                       help="most draft tokens verified per request and step")
     cache.add_argument("--debug-invariants", action="store_true",
                        help="check KV slot accounting whenever the engine is idle (slow; tests)")
 

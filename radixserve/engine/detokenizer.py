@@ -22,10 +22,11 @@ class Detokenizer:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
 
-    def banned_tokens(self, request: Request) -> set[int] | None:
-        """Tokens the request may not produce yet: its stop tokens, before min_tokens."""
+    def banned_tokens(self, request: Request, ahead: int = 0) -> set[int] | None:
+        """Tokens the request may not produce `ahead` tokens from now (a draft's later
+        positions): its stop tokens, before min_tokens."""
         params = request.params
-        if len(request.output_token_ids) >= params.min_tokens:
+        if len(request.output_token_ids) + ahead >= params.min_tokens:
             return None
         eos = set() if params.ignore_eos else self.tokenizer.stop_token_ids
         return set(params.stop_token_ids) | eos

@@ -35,6 +35,8 @@ from radixserve.engine.setup import (
     resolve_device,
     resolve_dtype,
 )
+from radixserve.engine.speculative.cost_model import StepCostModel
+from radixserve.engine.speculative.policy import Speculation, SpeculationSettings
 from radixserve.engine.structured_output import GrammarCompiler
 from radixserve.kernels.cpu import describe as describe_cpu
 from radixserve.kv_tier.blocks import ModelFingerprint, weights_identity
@@ -90,8 +92,11 @@ class LLMEngine:
                                                              * config.max_pinned_fraction))
         attention = build_attention(config, mc, self.pool.num_slots, self.device, self.dtype)
         self.offload = self._kv_offload(attention.name) if config.kv_offload_dir else None
+        self.speculation = Speculation(SpeculationSettings(
+            config.speculative, config.num_speculative_tokens, self.max_model_len))
         self.scheduler = Scheduler(config, self.pool.allocator, self.cache, clock,
-                                   tier=self.offload, device_type=self.device.type)
+                                   tier=self.offload, device_type=self.device.type,
+                                   speculation=self.speculation)
         # Requests without a seed of their own draw from this one generator (vLLM's rule).
         generator = torch.Generator().manual_seed(config.seed)
         self.runner = ModelRunner(self.model, self.pool, attention, self.device, generator)
@@ -108,6 +113,11 @@ class LLMEngine:
         # Started last, so that a failed start leaves no thread or bound port behind.
         self._kv_recorder: KVEventRecorder | None = None
         self.kv_events: KVEventPublisher | None = None
+        if config.speculative == "auto":
+            self.speculation.cost = StepCostModel.measure(self._timed_forward)
+            logger.info("speculation cost model: step seconds %s at rows %s",
+                        [round(t, 4) for t in self.speculation.cost.seconds],
+                        list(self.speculation.cost.rows))
         if config.kv_events_endpoint:
             self._start_kv_events()
         logger.info(
@@ -233,6 +243,9 @@ class LLMEngine:
         that can be served (not empty, ids in the vocabulary, fits the context and the pool).
         Raises ValueError naming the problem."""
         self.limits.check(ids, params, self.grammars)
+        if params.speculative == "auto" and self.speculation.cost is None:
+            raise ValueError("speculative 'auto' needs an engine started with speculative="
+                             "'auto' (its cost model is measured at start-up)")
 
     def abort_request(self, request_id: str) -> None:
         """Ends a request at any point; everything it holds is released. Unknown ids: no-op."""
@@ -258,6 +271,9 @@ class LLMEngine:
             self._check_invariants()
             return []
         self._check_slot_mirrors()
+        if plan.decodes or plan.verifies:
+            self.speculation.counters.steps += 1
+            self.speculation.counters.speculative_steps += bool(plan.verifies)
         model_started = time.perf_counter()
         try:
             result = self.runner.run(plan, self.detokenizer.banned_tokens)
@@ -300,6 +316,10 @@ class LLMEngine:
             return self.runner.forward(plan)[0][0]
         finally:
             self.pool.allocator.release(request.slots)
+
+    def _timed_forward(self, rows: int) -> None:
+        """One uncached step of `rows` rows (the speculation cost model's probe)."""
+        self.prompt_logits([(7 * i + 1) % self.model_config.vocab_size for i in range(rows)])
 
     # ----- accounting -----
 

@@ -1,6 +1,9 @@
 """Every state change a step makes, in one place: computed tokens and cache publishing (the
 scheduler's books), prompt log-probabilities, sampled tokens, text and stop conditions,
 finishes, first-token times; then the step's outputs, one per request group that progressed.
+A verified draft gives its tokens one by one to the same stop checks, so stops, max_tokens,
+logprobs and streaming see only accepted tokens; its rejected KV is given back before a
+finish publishes anything.
 """
 
 from __future__ import annotations
@@ -10,9 +13,9 @@ from collections.abc import Callable
 
 from radixserve.engine.detokenizer import Detokenizer, Stop
 from radixserve.engine.request import Request, RequestStatus
-from radixserve.engine.runner import StepResult
+from radixserve.engine.runner import StepResult, VerifiedRow
 from radixserve.engine.scheduler import Scheduler, SchedulerOutput
-from radixserve.outputs import CompletionOutput, RequestOutput
+from radixserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
 
 logger = logging.getLogger(__name__)
 
@@ -21,6 +24,7 @@ class Postprocessor:
     def __init__(self, scheduler: Scheduler, detokenizer: Detokenizer,
                  clock: Callable[[], float]) -> None:
         self.scheduler = scheduler
+        self.speculation = scheduler.speculation
         self.detokenizer = detokenizer
         self.clock = clock
 
@@ -40,19 +44,43 @@ class Postprocessor:
         samples = result.samples
         for request, token, logprob in zip(result.sampled, samples.token_ids, samples.logprobs,
                                            strict=True):
-            if request.metrics.first_token_time is None:
-                request.metrics.first_token_time = now
-            request.append_output(token)
-            if logprob is not None:
-                request.output_logprobs.append(logprob)
-            stop = self.detokenizer.update(request)
-            if stop is None and request.matcher is not None and _grammar_done(request, token):
-                stop = Stop("stop")
+            stop = self._take(request, token, logprob, now)
             if stop is not None:
-                request.stop_reason = stop.stop_reason
-                request.metrics.finished_time = now
-                self.scheduler.finish(request, stop.reason)
-        return result.sampled + scored
+                self._finish(request, stop, now)
+        for row in result.verified:
+            self._verified(row, now)
+        return result.sampled + [row.request for row in result.verified] + scored
+
+    def _verified(self, row: VerifiedRow, now: float) -> None:
+        request = row.request
+        if self.speculation is not None:
+            self.speculation.verified(request, len(row.draft), len(row.tokens) - 1)
+        stop = None
+        for token, logprob in zip(row.tokens, row.logprobs, strict=True):
+            stop = self._take(request, token, logprob, now)
+            if stop is not None:
+                break
+        self.scheduler.settle(request)
+        if stop is not None:
+            self._finish(request, stop, now)
+
+    def _take(self, request: Request, token: int, logprob: TokenLogprob | None,
+              now: float) -> Stop | None:
+        """Appends one sampled token; returns why the request must stop, if it must."""
+        if request.metrics.first_token_time is None:
+            request.metrics.first_token_time = now
+        request.append_output(token)
+        if logprob is not None:
+            request.output_logprobs.append(logprob)
+        stop = self.detokenizer.update(request)
+        if stop is None and request.matcher is not None and _grammar_done(request, token):
+            stop = Stop("stop")
+        return stop
+
+    def _finish(self, request: Request, stop: Stop, now: float) -> None:
+        request.stop_reason = stop.stop_reason
+        request.metrics.finished_time = now
+        self.scheduler.finish(request, stop.reason)
 
 
 def _grammar_done(request: Request, token: int) -> bool:

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from radixserve.cache.base import CacheHandle
+from radixserve.engine.speculative.ngram_index import NgramIndex
 from radixserve.engine.structured_output import GrammarMatcher
 from radixserve.outputs import FinishReason, RequestMetrics, TokenLogprob
 from radixserve.sampling_params import SamplingParams
@@ -75,6 +76,11 @@ class Request:
     tier_blocks_done: int = 0
     # The structured output's grammar state, when the request has one.
     matcher: GrammarMatcher | None = None
+    # Speculation: the n-gram index of its own tokens (built on its first draft), and its
+    # draft tokens verified and accepted so far (auto's acceptance estimate).
+    draft_index: NgramIndex | None = field(default=None, repr=False)
+    spec_drafted: int = 0
+    spec_accepted: int = 0
     metrics: RequestMetrics = field(init=False)
     # Text state, kept by the engine's output processing.
     output_text: str = ""
@@ -116,6 +122,14 @@ class Request:
             self._slot_array[have:end] = self._slots[have:end]
             self._slots_mirrored = end
         return self._slot_array[start:end]
+
+    def truncate_slots(self, keep: int) -> list[int]:
+        """Drops the slot table past `keep` entries (KV of rejected draft tokens); returns the
+        dropped slots, which the caller gives back."""
+        dropped = self._slots[keep:]
+        del self._slots[keep:]
+        self._slots_mirrored = min(self._slots_mirrored, keep)
+        return dropped
 
     def slot_mirror_ok(self) -> bool:
         """Whether the int32 mirror still equals the slot list (a debug check)."""

@@ -3,7 +3,9 @@ plan it once, runs the model and samples.
 
 Decode tokens come first in the flattened batch, then prefill chunks; only rows that end a
 request's known tokens get logits for sampling (a mid-prompt chunk needs none, nor a prompt with
-max_tokens 0, which is computed to be scored). A request that
+max_tokens 0, which is computed to be scored). A speculating request's row (its newest token
+and a draft) runs as a short chunk after the decode rows, with logits at every position, each
+verified as if the draft before it were the output (radixserve/engine/speculative). A request that
 asks for prompt log-probabilities also has its prompt rows scored, a slice at a time, so a long
 chunk never holds its [rows, vocab] logits at once.
 """
@@ -19,9 +21,15 @@ import torch
 
 from radixserve.engine.kv_pool import KVPool
 from radixserve.engine.request import Request
-from radixserve.engine.sampler import SamplerKernels, sample
+from radixserve.engine.sampler import (
+    SamplerKernels,
+    sample,
+    sampling_distributions,
+    top_logprobs,
+)
 from radixserve.engine.sampling_rows import SampleResult, SampleRow
-from radixserve.engine.scheduler import SchedulerOutput
+from radixserve.engine.scheduler import ScheduledDraft, SchedulerOutput
+from radixserve.engine.speculative.verify import accept_greedy, accept_sampled
 from radixserve.engine.structured_output import fill_masks
 from radixserve.kernels import argmax_op, token_bitmask_op
 from radixserve.layers.attention import SequenceSpan, StepAttention, StepLayout
@@ -47,8 +55,22 @@ class PromptLogprobSpan:
 
 class StepBatch(NamedTuple):
     batch: ForwardBatch
-    wants_logits: list[Request]  # whose sampling logits the batch returns, in row order
+    # Whose sampling logits the batch returns, in row order: one row per request, then
+    # 1 + len(draft) rows per speculating request.
+    wants_logits: list[Request]
     prompt_spans: list[PromptLogprobSpan]
+    verifies: list[ScheduledDraft]
+
+
+@dataclass(frozen=True)
+class VerifiedRow:
+    """A speculating request's draft and the tokens verification gave it: the accepted draft
+    tokens and then the model's own (with their logprobs, when asked for)."""
+
+    request: Request
+    draft: list[int]
+    tokens: list[int]
+    logprobs: list[TokenLogprob | None]
 
 
 @dataclass(frozen=True)
@@ -58,6 +80,7 @@ class StepResult:
     samples: SampleResult
     # Prompt log-probabilities computed this step: each request's next entries, in order.
     prompt_logprobs: list[tuple[Request, list[TokenLogprob]]] = field(default_factory=list)
+    verified: list[VerifiedRow] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -98,6 +121,15 @@ class ModelRunner:
             positions.append(pos)
             write_slots.append(request.slots[pos])
         prefills: list[SequenceSpan] = []
+        verify_rows: list[int] = []
+        for item in plan.verifies:
+            request, first, n = item.request, item.request.num_computed, 1 + len(item.draft)
+            prefills.append(SequenceSpan(request, len(ids), n, first))
+            verify_rows.extend(range(len(ids), len(ids) + n))
+            ids.append(request.token_at(first))
+            ids.extend(item.draft)
+            positions.extend(range(first, first + n))
+            write_slots.extend(request.slots[first : first + n])
         prompt_spans: list[PromptLogprobSpan] = []
         for chunk in plan.prefills:
             request, n = chunk.request, chunk.num_tokens
@@ -112,6 +144,7 @@ class ModelRunner:
             if chunk.completes_prompt and request.params.max_tokens > 0:
                 logit_rows.append(len(ids) - 1)
                 wants_logits.append(request)
+        logit_rows.extend(verify_rows)
         layout = StepLayout(decodes, prefills, self._tensor(write_slots))
         # The last layer runs only for the rows something reads: those sampled from and those
         # scoring prompt tokens. The others' K/V is all the step keeps of them.
@@ -134,18 +167,19 @@ class ModelRunner:
             attention_plan=self.attention.plan(layout),
             output_rows=output_rows,
         )
-        return StepBatch(batch, wants_logits, prompt_spans)
+        return StepBatch(batch, wants_logits, prompt_spans, list(plan.verifies))
 
     def forward(self, plan: SchedulerOutput) -> tuple[torch.Tensor, list[Request]]:
         """Float32 logits [R, vocab] of the step, and the requests they belong to."""
-        batch, wants_logits, _ = self.build_batch(plan)
+        batch, wants_logits, _, _ = self.build_batch(plan)
         return self.model(batch, self.pool.layers), wants_logits
 
     def run(
-        self, plan: SchedulerOutput, banned: Callable[[Request], set[int] | None]
+        self, plan: SchedulerOutput, banned: Callable[[Request, int], set[int] | None]
     ) -> StepResult:
-        """Runs the plan and samples; `banned(request)` lists tokens it may not produce yet."""
-        batch, wants_logits, prompt_spans = self.build_batch(plan)
+        """Runs the plan and samples; `banned(request, ahead)` lists tokens it may not produce
+        `ahead` tokens from now."""
+        batch, wants_logits, prompt_spans, verifies = self.build_batch(plan)
         # The grammar masks depend only on tokens already taken: they are computed on another
         # thread while the model runs (llguidance releases the GIL, as do torch's kernels).
         constrained = [r for r in wants_logits if r.matcher is not None]
@@ -154,16 +188,57 @@ class ModelRunner:
         hidden = self.model.hidden_states(batch, self.pool.layers)
         prompt_logprobs = [(span.request, self._score_prompt(hidden, span))
                            for span in prompt_spans]
-        if not wants_logits:
+        if not wants_logits and not verifies:
             return StepResult([], SampleResult([], []), prompt_logprobs)
         logits = self.model.compute_logits(hidden[batch.logit_rows])
         allowed = dict(zip(map(id, constrained), masks.result(), strict=True)) if masks else {}
-        rows = [SampleRow(r.params, r.generator or self.generator, banned(r), r.token_ids,
+        rows = [SampleRow(r.params, r.generator or self.generator, banned(r, 0), r.token_ids,
                           len(r.prompt_token_ids), allowed.get(id(r)))
                 for r in wants_logits]
+        logits = logits.cpu()
+        # Row j of a draft samples as plain decoding would after the draft's first j tokens
+        # (penalties read them, min_tokens counts them); speculating requests are never
+        # constrained (see speculative/policy.py).
+        draft_rows = []
+        for item in verifies:
+            r = item.request
+            draft_rows.append([SampleRow(r.params, r.generator or self.generator, banned(r, j),
+                                         r.token_ids + item.draft[:j], len(r.prompt_token_ids))
+                               for j in range(1 + len(item.draft))])
+        # Greedy drafts' rows are argmaxes, batched with the plain rows.
+        greedy = [i for i, item in enumerate(verifies) if item.request.params.greedy]
+        first_row = [len(rows)]
+        for item in verifies:
+            first_row.append(first_row[-1] + 1 + len(item.draft))
+        at = list(range(len(rows))) + [row for i in greedy
+                                       for row in range(first_row[i], first_row[i + 1])]
         with torch.inference_mode():
-            samples = sample(logits.cpu(), rows, self._sampler_kernels)
-        return StepResult(wants_logits, samples, prompt_logprobs)
+            samples = (sample(logits[at], rows + [row for i in greedy for row in draft_rows[i]],
+                              self._sampler_kernels) if at else SampleResult([], []))
+            verified = []
+            done = len(rows)
+            for i, item in enumerate(verifies):
+                n = 1 + len(item.draft)
+                if item.request.params.greedy:
+                    tokens = accept_greedy(item.draft, samples.token_ids[done : done + n])
+                    logprobs = samples.logprobs[done : done + len(tokens)]
+                    done += n
+                else:
+                    tokens, logprobs = self._verify_sampled(
+                        item, logits[first_row[i] : first_row[i + 1]], draft_rows[i])
+                verified.append(VerifiedRow(item.request, item.draft, tokens, logprobs))
+        return StepResult(wants_logits,
+                          SampleResult(samples.token_ids[: len(rows)],
+                                       samples.logprobs[: len(rows)]),
+                          prompt_logprobs, verified)
+
+    def _verify_sampled(self, item: ScheduledDraft, logits: torch.Tensor,
+                        rows: list[SampleRow]) -> tuple[list[int], list[TokenLogprob | None]]:
+        """A sampled request's tokens from its draft rows, by the exact acceptance rule."""
+        adjusted, probs = sampling_distributions(logits, rows, self._sampler_kernels)
+        tokens = accept_sampled(item.draft, probs, rows[0].generator)
+        logprobs = top_logprobs(adjusted[: len(tokens)], tokens, rows[: len(tokens)])
+        return tokens, logprobs
 
     @torch.inference_mode()
     def _score_prompt(self, hidden: torch.Tensor, span: PromptLogprobSpan) -> list[TokenLogprob]:

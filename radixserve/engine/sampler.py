@@ -80,11 +80,9 @@ def _argmax(logits: torch.Tensor, op: Callable[[torch.Tensor], torch.Tensor] | N
     return torch.argmax(logits, dim=-1).tolist()
 
 
-def _draw(logits: torch.Tensor, rows: list[SampleRow]) -> list[int]:
-    """One token per row of `logits` by inverse transform: one uniform number from the row's
-    generator, found in the cumulative distribution. Why not torch.multinomial: it draws a
-    random number per vocabulary entry, for every row; this is one draw a row, the rows
-    batched (benchmarks/bench_sampler.py times the two side by side)."""
+def _tempered(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """The logits sampling draws from: temperature, then top-k and top-p, row by row (the
+    caller's logits stay untouched)."""
     temperatures = [row.params.temperature for row in rows]
     scaled = logits if all(t == 1.0 for t in temperatures) else (
         logits / torch.tensor(temperatures).unsqueeze(1))
@@ -92,11 +90,46 @@ def _draw(logits: torch.Tensor, rows: list[SampleRow]) -> list[int]:
         p = row.params
         if p.top_k > 0 or p.top_p < 1.0:
             if scaled is logits:
-                scaled = logits.clone()  # the caller's logits stay untouched
+                scaled = logits.clone()
             scaled[j] = _filter_top_k_top_p(scaled[j], p.top_k, p.top_p)
+    return scaled
+
+
+def sampling_distributions(logits: torch.Tensor, rows: list[SampleRow],
+                           kernels: SamplerKernels | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's adjusted logits (what returned logprobs are of) and the float64
+    probabilities a sampled row draws from: what sampling a token would use, for rules that
+    need the whole distribution (speculative verification)."""
+    kernels = kernels or SamplerKernels()
+    adjusted = _adjusted(logits.float(), rows, kernels.mask)
+    return adjusted, torch.softmax(_tempered(adjusted, rows), dim=-1).double()
+
+
+def top_logprobs(adjusted: torch.Tensor, tokens: list[int],
+                 rows: list[SampleRow]) -> list[tuple[float, dict[int, float]] | None]:
+    """Per row, the chosen token's log-probability and the top ones asked for (None where a
+    row's request asks for none), from adjusted logits."""
+    out: list[tuple[float, dict[int, float]] | None] = [None] * len(rows)
+    want = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+    if want:
+        lp = torch.log_softmax(adjusted[want], dim=-1)
+        for at, i in enumerate(want):
+            k = rows[i].params.logprobs or 0
+            top = torch.topk(lp[at], k) if k else None
+            top_map = dict(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top else {}
+            out[i] = (float(lp[at, tokens[i]]), top_map)
+    return out
+
+
+def _draw(logits: torch.Tensor, rows: list[SampleRow]) -> list[int]:
+    """One token per row of `logits` by inverse transform: one uniform number from the row's
+    generator, found in the cumulative distribution. Why not torch.multinomial: it draws a
+    random number per vocabulary entry, for every row; this is one draw a row, the rows
+    batched (benchmarks/bench_sampler.py times the two side by side)."""
     # Summed in float64: 49k float32 partial sums would drift by more than small
     # probabilities. (The softmax itself stays float32: in float64 it is much slower.)
-    cdf = torch.softmax(scaled, dim=-1).double().cumsum_(-1)
+    cdf = torch.softmax(_tempered(logits, rows), dim=-1).double().cumsum_(-1)
     uniform = torch.cat([torch.rand(1, dtype=torch.float64, generator=row.generator)
                          for row in rows])
     # The first index whose cumulative mass exceeds u * total: a token of probability 0 adds
@@ -130,13 +163,4 @@ def sample(logits: torch.Tensor, rows: list[SampleRow],
             for i, token in zip(at, pick(_rows_of(logits, at), [rows[i] for i in at]),
                                 strict=True):
                 tokens[i] = token
-    logprobs: list[tuple[float, dict[int, float]] | None] = [None] * len(rows)
-    want = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
-    if want:
-        lp = torch.log_softmax(logits[want], dim=-1)
-        for at, i in enumerate(want):
-            k = rows[i].params.logprobs or 0
-            top = torch.topk(lp[at], k) if k else None
-            top_map = dict(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top else {}
-            logprobs[i] = (float(lp[at, tokens[i]]), top_map)
-    return SampleResult(tokens, logprobs)
+    return SampleResult(tokens, top_logprobs(logits, tokens, rows))

@@ -12,6 +12,11 @@ allocated, its match locked) while a loader thread copies them in, and joins the
 once they are there. Other requests' steps go on meanwhile. A block that fails to load is
 simply computed.
 
+A decoding request may also speculate (radixserve/engine/speculative): its row then carries a
+draft after its newest token, whose KV goes into slots taken from free pages only (a draft never
+evicts or preempts); `settle` keeps what verification accepted and gives the rest back, before
+anything is published, so the cache only ever holds verified tokens.
+
 A request that asks for prompt log-probabilities needs the logits of every prompt position, and
 a cached position has none: until it has them all it skips the cache match (computing its whole
 prompt, reporting 0 cached tokens, not counted as a cache query), but publishes its KV as usual.
@@ -28,6 +33,7 @@ from radixserve.cache.base import PrefixCache
 from radixserve.config import DEDUP_MIN_TOKENS, EngineConfig
 from radixserve.engine.kv_pool import OutOfSlots, PageAllocator
 from radixserve.engine.request import Request, RequestStatus
+from radixserve.engine.speculative.policy import Speculation
 from radixserve.engine.tier_loads import KVTier, TierLoads
 from radixserve.outputs import FinishReason
 from radixserve.sequences import common_prefix_len
@@ -45,22 +51,32 @@ class ScheduledChunk:
 
 
 @dataclass
+class ScheduledDraft:
+    """A speculating decode row: the request's newest token, then `draft`, to verify."""
+
+    request: Request
+    draft: list[int]
+
+
+@dataclass
 class SchedulerOutput:
     decodes: list[Request] = field(default_factory=list)  # one token each
     prefills: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    verifies: list[ScheduledDraft] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.decodes) + sum(c.num_tokens for c in self.prefills)
+        return (len(self.decodes) + sum(c.num_tokens for c in self.prefills)
+                + sum(1 + len(v.draft) for v in self.verifies))
 
     @property
     def num_requests(self) -> int:
-        return len(self.decodes) + len(self.prefills)
+        return len(self.decodes) + len(self.prefills) + len(self.verifies)
 
     @property
     def empty(self) -> bool:
-        return not self.decodes and not self.prefills
+        return not self.decodes and not self.prefills and not self.verifies
 
 
 @dataclass
@@ -83,8 +99,10 @@ class Scheduler:
         clock: Callable[[], float] = time.monotonic,
         tier: KVTier | None = None,
         device_type: str = "cpu",
+        speculation: Speculation | None = None,
     ) -> None:
         self.config = config
+        self.speculation = speculation
         self.dedup_min_tokens = (config.dedup_min_tokens if config.dedup_min_tokens is not None
                                  else DEDUP_MIN_TOKENS[device_type])
         self.allocator = allocator
@@ -115,6 +133,8 @@ class Scheduler:
         """
         if request.finished:
             return
+        if self.speculation is not None:
+            self.speculation.finished(request)
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
             if keep_kv:
@@ -157,19 +177,43 @@ class Scheduler:
             self._admit(out, budget)
         return out
 
-    @staticmethod
-    def _schedule_tokens(request: Request, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_tokens(self, request: Request, out: SchedulerOutput, budget: int) -> int:
         """Adds the request's next tokens to the step (one decode token, or a prefill chunk
         within `budget`); returns how many."""
         todo = request.num_tokens - request.num_computed
         # The prompt's last token of a request that only scores its prompt (max_tokens 0) is
         # a prefill chunk, so that nothing is sampled for it.
         if todo == 1 and (request.params.max_tokens or request.output_token_ids):
+            draft = self._draft(request, budget - 1)
+            if draft:
+                out.verifies.append(ScheduledDraft(request, draft))
+                return 1 + len(draft)
             out.decodes.append(request)
             return 1
         chunk = min(todo, budget)
         out.prefills.append(ScheduledChunk(request, chunk))
         return chunk
+
+    def _draft(self, request: Request, budget: int) -> list[int]:
+        """The request's draft for this step, cut to the slots free pages can give it."""
+        if self.speculation is None or budget <= 0:
+            return []
+        draft = self.speculation.draft(request, budget, len(self.running))
+        short = request.num_computed + 1 + len(draft) - len(request.slots)
+        if draft and short > 0:
+            pages = min(-(-short // self.page_size), self.allocator.free_slots // self.page_size)
+            request.slots.extend(self.allocator.allocate(pages))
+            draft = draft[: len(request.slots) - request.num_computed - 1]
+        return draft
+
+    def settle(self, request: Request) -> None:
+        """After a verified row's accepted tokens were appended: every token but the newest has
+        its KV, and the slots past the page that holds them (a rejected draft's) go back."""
+        request.num_computed = request.num_tokens - 1
+        keep = max(request.cache_len, -(-request.num_computed // self.page_size) * self.page_size)
+        dropped = request.truncate_slots(keep)
+        if dropped:
+            self.allocator.release(dropped)
 
     def _grow(self, request: Request, out: SchedulerOutput) -> bool:
         """Gives `request` a slot for its next token, preempting newer requests if needed."""
@@ -201,6 +245,7 @@ class Scheduler:
         out.preempted.append(request)
         if request in out.decodes:
             out.decodes.remove(request)
+        out.verifies = [v for v in out.verifies if v.request is not request]
         out.prefills = [c for c in out.prefills if c.request is not request]
 
     def advance(self, plan: SchedulerOutput) -> None:
@@ -217,7 +262,8 @@ class Scheduler:
     def fail(self, plan: SchedulerOutput) -> list[Request]:
         """Ends every request of a step whose forward pass failed: its KV is undefined, so
         none of it is published. Returns those requests."""
-        failed = list(plan.decodes) + [c.request for c in plan.prefills]
+        failed = (list(plan.decodes) + [c.request for c in plan.prefills]
+                  + [v.request for v in plan.verifies])
         for request in failed:
             self.finish(request, "error", keep_kv=False)
         return failed

@@ -19,6 +19,7 @@ from typing import Any
 from radixserve.cache.base import CacheStats
 from radixserve.engine.engine import PoolStats
 from radixserve.engine.limits import EngineLimits
+from radixserve.engine.speculative.stats import SpeculationCounters
 from radixserve.engine.structured_output import GrammarCompiler
 from radixserve.kv_events import block_hashes
 from radixserve.kv_tier.store import TierCounters, TierStats
@@ -113,6 +114,7 @@ def snapshot_from_dict(d: dict[str, Any]) -> EngineSnapshot:
         kv_tier_hits=d["kv_tier_hits"],
         tier=None if tier is None else TierStats(
             **{**tier, "counters": TierCounters(**tier["counters"])}),
+        speculation=SpeculationCounters(**d["speculation"]),
     )
 
 

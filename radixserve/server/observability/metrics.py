@@ -8,6 +8,7 @@ counters, pool occupancy) come from a snapshot taken on the engine thread betwee
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -22,6 +23,7 @@ from prometheus_client.registry import Collector
 
 from radixserve.cache.base import CacheStats
 from radixserve.engine.engine import LLMEngine, PoolStats
+from radixserve.engine.speculative.stats import SpeculationCounters
 from radixserve.kv_tier.store import LOAD_BUCKETS, TierStats
 from radixserve.provider_caching.usage import CacheUsage
 from radixserve.server.observability.metrics_compat import VllmView
@@ -48,6 +50,7 @@ class EngineSnapshot:
     preemptions: int
     kv_tier_hits: int
     tier: TierStats | None  # None without a disk tier
+    speculation: SpeculationCounters
 
 
 def take_snapshot(engine: LLMEngine) -> EngineSnapshot:
@@ -64,7 +67,31 @@ def take_snapshot(engine: LLMEngine) -> EngineSnapshot:
         preemptions=counters.preemptions,
         kv_tier_hits=counters.kv_tier_hits,
         tier=engine.offload.store.stats() if engine.offload is not None else None,
+        speculation=dataclasses.replace(engine.speculation.counters,
+                                        accepted_per_position=list(
+                                            engine.speculation.counters.accepted_per_position)),
     )
+
+
+def _speculation(spec: SpeculationCounters, counter: Callable[[str, str, float], Metric],
+                 label: list[str], value: list[str]) -> Iterator[Metric]:
+    """Speculative decoding's counters (vLLM's spec_decode names and counting)."""
+    yield counter("spec_decode_num_drafts", "Drafts verified (one request's draft in one "
+                  "step).", spec.drafts)
+    yield counter("spec_decode_num_draft_tokens", "Draft tokens verified.", spec.draft_tokens)
+    yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted (the model's own "
+                  "next token not counted).", spec.accepted_tokens)
+    per_position = CounterMetricFamily(
+        PREFIX + "spec_decode_num_accepted_tokens_per_pos", "Drafts whose token at this "
+        "position (0: the first) was accepted.", labels=[*label, "position"])
+    for position, accepted in enumerate(spec.accepted_per_position):
+        per_position.add_metric([*value, str(position)], accepted)
+    yield per_position
+    yield counter("spec_decode_steps", "Engine steps that decoded (the denominator of the "
+                  "share that speculated).", spec.steps)
+    yield counter("spec_decode_speculative_steps", "Of those, steps that verified at least "
+                  "one draft.", spec.speculative_steps)
+    yield counter("spec_decode_draft_seconds", "Time spent drafting.", spec.draft_seconds)
 
 
 class _EngineCollector(Collector):
@@ -132,6 +159,7 @@ class _EngineCollector(Collector):
         yield slots
         yield gauge("prefix_cache_nodes", "Nodes (radix) or blocks (hash) in the prefix cache.",
                     snap.cache.nodes)
+        yield from _speculation(snap.speculation, counter, label, value)
         if snap.tier is not None:
             yield from self._tier(snap, counter, gauge, label, value)
 

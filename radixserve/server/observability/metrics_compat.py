@@ -33,6 +33,10 @@ VLLM_NAMES: dict[str, tuple[str, ...]] = {
     "inter_token_latency_seconds": ("inter_token_latency_seconds",
                                     "time_per_output_token_seconds"),
     "e2e_request_latency_seconds": ("e2e_request_latency_seconds",),
+    "spec_decode_num_drafts": ("spec_decode_num_drafts",),
+    "spec_decode_num_draft_tokens": ("spec_decode_num_draft_tokens",),
+    "spec_decode_num_accepted_tokens": ("spec_decode_num_accepted_tokens",),
+    "spec_decode_num_accepted_tokens_per_pos": ("spec_decode_num_accepted_tokens_per_pos",),
 }
 
 # vLLM labels every sample with the engine's index (data-parallel ranks); we run one engine.

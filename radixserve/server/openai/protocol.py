@@ -100,6 +100,9 @@ class GenerationRequest(ConstraintFields):
     repetition_penalty: float | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
+    # This request's speculative decoding (SamplingParams checks the values).
+    speculative: str | None = None
+    num_speculative_tokens: int | None = None
 
     def sampling_options(self) -> dict[str, Any]:
         """SamplingParams arguments for the fields set (`validation.SamplingFields`)."""
@@ -112,7 +115,9 @@ class GenerationRequest(ConstraintFields):
                    "logprobs": self.top_logprob_count(), "logit_bias": self.token_bias(),
                    "frequency_penalty": self.frequency_penalty,
                    "presence_penalty": self.presence_penalty,
-                   "repetition_penalty": self.repetition_penalty}
+                   "repetition_penalty": self.repetition_penalty,
+                   "speculative": self.speculative,
+                   "num_speculative_tokens": self.num_speculative_tokens}
         return {name: value for name, value in options.items() if value is not None}
 
     def token_bias(self) -> dict[int, float] | None:

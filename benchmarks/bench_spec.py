@@ -1,0 +1,198 @@
+"""Speculative decoding from the cache: output tokens/s with speculation off, ngram, suffix and
+auto on four workloads, in-process on the default model, with the acceptance length and the
+drafter's time per step; optionally llama-server (same GGUF, same prompts) with each of its
+n-gram `--spec-type`s.
+
+    .venv/bin/python benchmarks/bench_spec.py --quick                  # a 1-2 minute smoke run
+    .venv/bin/python benchmarks/bench_spec.py --out results/spec.json \
+        --llama-cpp-bin /work/llama/LLAMA_CPP/build/bin
+
+Workloads: code-edit (a source file of this repository returned with one rename), rag-quote
+(answer by quoting a document), agent (a tool loop whose next call repeats arguments seen
+earlier, 4 at once), unique-chat (nothing to copy; 1 and 16 at once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+from peers import RunningServer, System
+from timing import cpu_summary
+
+from radixserve import LLM, SamplingParams
+from radixserve.model.default_model import default_model_path
+
+REPO = Path(__file__).resolve().parent.parent
+MODES = ("off", "ngram", "suffix", "auto")
+LLAMA_SPEC_TYPES = ("none", "ngram-simple", "ngram-map-k", "ngram-mod", "ngram-cache")
+MODEL_NAME = "model"
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    conversations: list[list[dict[str, str]]]  # sent at once
+    max_tokens: int
+
+
+def _code_edit() -> list[list[dict[str, str]]]:
+    source = (REPO / "radixserve/engine/speculative/verify.py").read_text()
+    ask = ("Return this Python file unchanged except that the function `accept_greedy` is "
+           "renamed to `accept_longest_prefix`. Output only the file.\n\n" + source)
+    return [[{"role": "user", "content": ask}]]
+
+
+def _rag_quote() -> list[list[dict[str, str]]]:
+    document = (REPO / "docs/architecture.md").read_text()[:2400]
+    ask = (f"Document:\n{document}\n\nQuote, word for word, the document's first three "
+           "sentences.")
+    return [[{"role": "user", "content": ask}]]
+
+
+def _agent(users: int) -> list[list[dict[str, str]]]:
+    conversations = []
+    for user in range(users):
+        path = f"src/module_{user}/handlers.py"
+        call = json.dumps({"name": "read_file", "arguments": {"path": path, "start": 1,
+                                                              "end": 120}})
+        conversations.append([
+            {"role": "system", "content": "You call tools by writing one JSON object."},
+            {"role": "user", "content": f"Open {path} and then open it again from line 1."},
+            {"role": "assistant", "content": call},
+            {"role": "user", "content": "Tool result: file opened. Now repeat the same call "
+                                        "exactly, as JSON."},
+        ])
+    return conversations
+
+
+def _unique(users: int) -> list[list[dict[str, str]]]:
+    topics = ["rivers", "volcanoes", "bread", "chess", "owls", "glass", "tides", "maps",
+              "bees", "clocks", "salt", "kites", "moss", "comets", "violins", "deserts"]
+    return [[{"role": "user", "content": f"Write three new sentences about {topics[i % 16]}."}]
+            for i in range(users)]
+
+
+def workloads(quick: bool) -> list[Workload]:
+    out = 48 if quick else 256
+    runs = [Workload("code-edit", _code_edit(), out), Workload("rag-quote", _rag_quote(), out),
+            Workload("agent-c4", _agent(4), min(out, 64)),
+            Workload("unique-chat-c1", _unique(1), out)]
+    if not quick:
+        runs.append(Workload("unique-chat-c16", _unique(16), 64))
+    return runs
+
+
+def run_radixserve(mode: str, runs: list[Workload], args: argparse.Namespace) -> list[dict]:
+    llm = LLM(args.model, speculative=mode, num_speculative_tokens=args.k,
+              num_threads=args.threads, show_progress=False, prefix_cache="off")
+    rows = []
+    for workload in runs:
+        counters = llm.engine.speculation.counters
+        before = (counters.steps, counters.drafts, counters.accepted_tokens,
+                  counters.draft_seconds, counters.speculative_steps)
+        params = SamplingParams(max_tokens=workload.max_tokens, temperature=0)
+        started = time.perf_counter()
+        results = llm.chat(workload.conversations, params, use_tqdm=False)
+        seconds = time.perf_counter() - started
+        tokens = sum(len(r.outputs[0].token_ids) for r in results)
+        # Decode alone (first token to last), the part speculation changes.
+        first = min(r.metrics.first_token_time for r in results)
+        last = max(r.metrics.finished_time for r in results)
+        steps = counters.steps - before[0]
+        drafts = counters.drafts - before[1]
+        accepted = counters.accepted_tokens - before[2]
+        rows.append({
+            "system": "radixserve", "mode": mode, "workload": workload.name,
+            "output_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+            "decode_tokens_per_s": (tokens - len(results)) / max(last - first, 1e-9),
+            "acceptance_length": 1 + accepted / drafts if drafts else None,
+            "speculative_step_share": (counters.speculative_steps - before[4]) / max(steps, 1),
+            "drafter_ms_per_step": (counters.draft_seconds - before[3]) / max(steps, 1) * 1e3,
+            "step_ms": seconds / max(steps, 1) * 1e3,
+        })
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def run_llama_server(spec_type: str, runs: list[Workload], args: argparse.Namespace,
+                     log: Path) -> list[dict]:
+    command = [str(args.llama_cpp_bin / "llama-server"), "-m", args.model, "-t",
+               str(args.threads), "-np", "16", "-c", "65536", "-a", MODEL_NAME,
+               "--host", "127.0.0.1", "--port", "{port}"]
+    if spec_type != "none":
+        command += ["--spec-type", spec_type, "--draft-max", str(args.k)]
+    rows = []
+    with RunningServer(System(f"llama-server {spec_type}", command), log, 300) as server:
+        for workload in runs:
+            started = time.perf_counter()
+            tokens = 0
+            with httpx.Client(base_url=server.url, timeout=1800, trust_env=False) as client:
+                # One at a time even where the workload sends several at once: its slots
+                # would share the machine's 2 cores either way (a lower bound for it).
+                for messages in workload.conversations:
+                    body = client.post("/v1/chat/completions", json={
+                        "model": MODEL_NAME, "messages": messages, "temperature": 0,
+                        "max_tokens": workload.max_tokens, "cache_prompt": False}).json()
+                    tokens += body["usage"]["completion_tokens"]
+            seconds = time.perf_counter() - started
+            rows.append({"system": "llama-server", "mode": spec_type,
+                         "workload": workload.name, "output_tokens": tokens,
+                         "seconds": seconds, "tokens_per_s": tokens / seconds})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="GGUF or HF directory; unset: default")
+    parser.add_argument("--modes", default=",".join(MODES), help="radixserve modes to run")
+    parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="short outputs, fewer workloads")
+    parser.add_argument("--workloads", default=None,
+                        help="comma-separated workload names to run (default: all)")
+    parser.add_argument("--llama-cpp-bin", type=Path, default=None,
+                        help="a llama.cpp build's bin directory: also run llama-server")
+    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
+    args = parser.parse_args()
+    args.model = str(args.model or default_model_path())
+    runs = [w for w in workloads(args.quick)
+            if args.workloads is None or w.name in args.workloads.split(",")]
+    results: dict[str, Any] = {"cpu": cpu_summary(), "model": args.model, "k": args.k,
+                               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                               "rows": []}
+    for mode in args.modes.split(","):
+        results["rows"] += run_radixserve(mode, runs, args)
+    if args.llama_cpp_bin is not None:
+        log = (args.out or Path("bench_spec.json")).with_suffix(".llama-server.log")
+        for spec_type in LLAMA_SPEC_TYPES:
+            results["rows"] += run_llama_server(spec_type, runs, args, log)
+    off = {r["workload"]: r["tokens_per_s"] for r in results["rows"]
+           if r["system"] == "radixserve" and r["mode"] == "off"}
+    for row in results["rows"]:
+        if row["workload"] in off:
+            row["speedup_vs_off"] = row["tokens_per_s"] / off[row["workload"]]
+    print(f"{'system':12} {'mode':13} {'workload':16} {'tok/s':>7} {'x off':>6} "
+          f"{'decode tok/s':>12} {'accept len':>10} {'draft ms/step':>13}")
+    for r in results["rows"]:
+        accept = r.get("acceptance_length")
+        draft_ms = r.get("drafter_ms_per_step")
+        print(f"{r['system']:12} {r['mode']:13} {r['workload']:16} {r['tokens_per_s']:7.1f} "
+              f"{r.get('speedup_vs_off', 0):6.2f} {r.get('decode_tokens_per_s', 0):12.1f} "
+              f"{'' if accept is None else f'{accept:.2f}':>10} "
+              f"{'' if draft_ms is None else f'{draft_ms:.3f}':>13}")
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""Which requests speculate, with how many tokens, from which drafter: the engine's setting or
+the request's own (SamplingParams.speculative / num_speculative_tokens), within what the request
+can still produce, and under `auto` the start-up cost model and the request's acceptance so far.
+
+Sampled requests speculate too, verified by the exact rule (verify.py); a seeded one is
+reproducible under the same drafts (ngram: its own tokens), not token for token equal to its
+plain decoding (the draws differ, the distribution does not).
+
+Never speculated, and why:
+- constrained requests (structured output, forced tool calls): a draft token is not checked by
+  the grammar, and rolling the matcher back is not implemented; plain decoding never leaves it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+from radixserve.engine.speculative.cost_model import StepCostModel
+from radixserve.engine.speculative.drafter import (
+    Drafter,
+    DraftSource,
+    NgramDrafter,
+    SuffixDrafter,
+)
+from radixserve.engine.speculative.namespace_table import NamespaceTable
+from radixserve.engine.speculative.stats import SpeculationCounters
+from radixserve.sampling_params import SamplingParams
+
+# The table of earlier requests' continuations (all namespaces together): ~13 MB at most.
+TABLE_ENTRIES = 65_536
+# Acceptance assumed for a request's first drafts under `auto`, as if from this many tokens.
+PRIOR_ACCEPTANCE = 0.5
+PRIOR_WEIGHT = 4
+
+
+class SpeculatingRequest(DraftSource, Protocol):
+    params: SamplingParams
+    output_token_ids: list[int]
+    matcher: object | None
+    spec_drafted: int
+    spec_accepted: int
+
+
+@dataclass(frozen=True)
+class SpeculationSettings:
+    method: str  # off | ngram | suffix | auto
+    num_tokens: int  # the most tokens a step drafts for one request
+    max_model_len: int
+
+
+class Speculation:
+    def __init__(self, settings: SpeculationSettings, cost: StepCostModel | None = None) -> None:
+        self.settings = settings
+        self.cost = cost  # measured by the engine when auto may be asked for
+        self.ngram = NgramDrafter()
+        self.suffix = SuffixDrafter(NamespaceTable(2, 4, span=16, capacity=TABLE_ENTRIES))
+        self.counters = SpeculationCounters()
+
+    def method_of(self, params: SamplingParams) -> str:
+        return params.speculative or self.settings.method
+
+    def draft(self, request: SpeculatingRequest, budget: int, rows: int) -> list[int]:
+        """The tokens to verify after the request's newest one this step ([] for a plain
+        decode row); `budget` caps their number, `rows` is the step's decode rows so far."""
+        params = request.params
+        method = self.method_of(params)
+        if method == "off" or request.matcher is not None:
+            return []
+        k = min(params.num_speculative_tokens or self.settings.num_tokens, budget,
+                # past max_tokens or the context nothing verified could be kept
+                params.max_tokens - len(request.output_token_ids) - 1,
+                self.settings.max_model_len - len(request.token_ids) - 1)
+        if k <= 0:
+            return []
+        started = time.perf_counter()
+        drafter: Drafter = self.ngram if method == "ngram" else self.suffix
+        draft = drafter.propose(request, k)
+        if method == "auto" and draft and self.cost is not None:
+            acceptance = ((request.spec_accepted + PRIOR_ACCEPTANCE * PRIOR_WEIGHT)
+                          / (request.spec_drafted + PRIOR_WEIGHT))
+            draft = draft[: self.cost.best_draft_length(max(rows, 1), acceptance, len(draft))]
+        self.counters.draft_seconds += time.perf_counter() - started
+        return draft
+
+    def verified(self, request: SpeculatingRequest, drafted: int, accepted: int) -> None:
+        request.spec_drafted += drafted
+        request.spec_accepted += accepted
+        self.counters.record(drafted, accepted)
+
+    def finished(self, request: SpeculatingRequest) -> None:
+        """Feeds a finished request's verified tokens to its namespace's shared table, where
+        its method reads that table (the table's upkeep is not paid with speculation off)."""
+        prompt_len = len(request.prompt_token_ids)
+        if self.method_of(request.params) in ("suffix", "auto") and \
+                len(request.token_ids) > prompt_len:
+            self.suffix.learn(request.namespace, request.token_ids, prompt_len)
