@@ -23,6 +23,7 @@ from radixserve.engine.sampler import SamplerKernels, sample
 from radixserve.engine.sampling_rows import SampleResult, SampleRow
 from radixserve.engine.scheduler import SchedulerOutput
 from radixserve.engine.structured_output import fill_masks
+from radixserve.engine.window_kv import FullKV
 from radixserve.kernels import argmax_op, token_bitmask_op
 from radixserve.layers.attention import SequenceSpan, StepAttention, StepLayout
 from radixserve.model.decoder import DecoderModel
@@ -62,9 +63,12 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, model: DecoderModel, pool: KVPool, attention: StepAttention,
-                 device: torch.device, generator: torch.Generator | None = None) -> None:
+                 device: torch.device, generator: torch.Generator | None = None,
+                 window_kv: FullKV | None = None) -> None:
         self.model = model
         self.pool = pool
+        # Where sliding-window layers have a slot space of their own, it lays out their rows.
+        self.window_kv = window_kv or FullKV(pool.allocator.release)
         self.attention = attention
         self.device = device
         # Draws the samples of requests without a seed of their own (EngineConfig.seed).
@@ -112,7 +116,8 @@ class ModelRunner:
             if chunk.completes_prompt and request.params.max_tokens > 0:
                 logit_rows.append(len(ids) - 1)
                 wants_logits.append(request)
-        layout = StepLayout(decodes, prefills, self._tensor(write_slots))
+        layout = StepLayout(decodes, prefills, self._tensor(write_slots),
+                            self.window_kv.local_layout(decodes, prefills, self.device))
         # The last layer runs only for the rows something reads: those sampled from and those
         # scoring prompt tokens. The others' K/V is all the step keeps of them.
         wanted = sorted({*logit_rows, *(row for span in prompt_spans

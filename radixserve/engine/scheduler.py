@@ -29,6 +29,7 @@ from radixserve.config import DEDUP_MIN_TOKENS, EngineConfig
 from radixserve.engine.kv_pool import OutOfSlots, PageAllocator
 from radixserve.engine.request import Request, RequestStatus
 from radixserve.engine.tier_loads import KVTier, TierLoads
+from radixserve.engine.window_kv import FullKV
 from radixserve.outputs import FinishReason
 from radixserve.sequences import common_prefix_len
 
@@ -83,8 +84,11 @@ class Scheduler:
         clock: Callable[[], float] = time.monotonic,
         tier: KVTier | None = None,
         device_type: str = "cpu",
+        window_kv: FullKV | None = None,
     ) -> None:
         self.config = config
+        # The sliding-window layers' own slot space, where they have one (window_kv.py).
+        self.window_kv = window_kv or FullKV(allocator.release)
         self.dedup_min_tokens = (config.dedup_min_tokens if config.dedup_min_tokens is not None
                                  else DEDUP_MIN_TOKENS[device_type])
         self.allocator = allocator
@@ -154,19 +158,36 @@ class Scheduler:
             self._admit(out, budget)
         return out
 
-    @staticmethod
-    def _schedule_tokens(request: Request, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_tokens(self, request: Request, out: SchedulerOutput, budget: int) -> int:
         """Adds the request's next tokens to the step (one decode token, or a prefill chunk
-        within `budget`); returns how many."""
+        within `budget` and the sliding-window layers' room); returns how many."""
         todo = request.num_tokens - request.num_computed
         # The prompt's last token of a request that only scores its prompt (max_tokens 0) is
         # a prefill chunk, so that nothing is sampled for it.
-        if todo == 1 and (request.params.max_tokens or request.output_token_ids):
+        decode = todo == 1 and bool(request.params.max_tokens or request.output_token_ids)
+        chunk = self._window_room(request, min(todo, budget), out)
+        if not chunk:
+            return 0
+        if decode:
             out.decodes.append(request)
-            return 1
-        chunk = min(todo, budget)
-        out.prefills.append(ScheduledChunk(request, chunk))
+        else:
+            out.prefills.append(ScheduledChunk(request, chunk))
         return chunk
+
+    def _window_room(self, request: Request, count: int, out: SchedulerOutput) -> int:
+        """Holds the sliding-window layers' KV for up to `count` next tokens of the request,
+        after giving back what left its window (the window group gives up cached resume
+        windows first), else preempts newer requests. Returns how many tokens it holds room for (0: none, the request itself may
+        have been preempted)."""
+        self.window_kv.slide(request)
+        while True:
+            room = self.window_kv.reserve(request, count)
+            if room:
+                return room
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            if victim is request:
+                return 0
 
     def _grow(self, request: Request, out: SchedulerOutput) -> bool:
         """Gives `request` a slot for its next token, preempting newer requests if needed."""
@@ -275,6 +296,9 @@ class Scheduler:
         reads_cache = not request.needs_prompt_logprobs
         lookup = request.num_tokens - 1 if reads_cache else 0
         match = self.cache.match_prefix(request.namespace, request.token_ids[:lookup])
+        resumable = self.window_kv.resumable(match.slots, match.length)
+        if resumable < match.length:  # the window KV before the match's end was freed
+            match = self.cache.match_prefix(request.namespace, request.token_ids[:resumable])
         self.cache.lock(match.handle)
         need_tokens = request.num_tokens - match.length
         need_pages = -(-need_tokens // self.page_size)
@@ -289,6 +313,7 @@ class Scheduler:
         request.cache_len = match.length
         request.cache_handle = match.handle
         request.num_computed = match.length
+        self.window_kv.adopt(request)
         if not self._allocate_pages(need_pages, request):
             self._release(request, publish=False)
             return None
@@ -350,6 +375,7 @@ class Scheduler:
         for i in range(request.cache_len, aligned):
             if request.slots[i] != result.slots[i]:
                 duplicates.append(request.slots[i])
+                self.window_kv.repoint(request, i, request.slots[i], result.slots[i])
                 request.repoint_slot(i, result.slots[i])
         if duplicates:
             self.allocator.release(duplicates)
@@ -358,6 +384,7 @@ class Scheduler:
             self.cache.unlock(request.cache_handle)
         request.cache_handle = result.handle
         request.cache_len = aligned
+        self.window_kv.keep(request, aligned)
         if self.tier is not None:
             self.tier.write_through(request, aligned)
         self._apply_pins(request)
@@ -381,6 +408,7 @@ class Scheduler:
     def _release(self, request: Request, publish: bool) -> None:
         if publish:
             self.publish(request)
+        self.window_kv.release(request)
         if request.cache_handle is not None:
             self.cache.unlock(request.cache_handle)
         private = request.slots[request.cache_len :]
