@@ -78,7 +78,7 @@ class EngineConfig:
     # not a mix of windowed and full ones. kv_cache_tokens then sizes the full-attention group.
     swa_memory: str = "full"
     # window: the window group's pool in tokens, as a fraction of the full-attention group's
-    # (at least one request's window plus a step's tokens).
+    # (at least one request's window and a page; a prefill chunk shrinks to the room there is).
     swa_pool_ratio: float = 0.25
     # A Jinja chat template file used instead of the model's own (vLLM's --chat-template).
     chat_template: str | None = None

@@ -108,7 +108,7 @@ class PoolShape:
 def kv_pool_shape(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) -> PoolShape:
     """`kv_pool_pages`, or with `swa_memory="window"` on a model mixing windowed and full
     layers, the full-attention group's pages and the window group's (`swa_pool_ratio` of
-    them, at least one request's window and step), within `kv_cache_memory_gb` together."""
+    them, at least one request's window and a page), within `kv_cache_memory_gb` together."""
     windows = {i: model.layer_window(i) for i in range(model.num_layers)}
     local = frozenset(i for i, w in windows.items() if w is not None)
     if config.swa_memory == "full":
@@ -125,7 +125,8 @@ def kv_pool_shape(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) 
                                            // (layer_bytes * (full_layers + ratio * len(local))))
     pages = max(1, tokens // config.page_size)
     window = max(w for w in windows.values() if w is not None)
-    least = -(-(window + config.max_num_batched_tokens) // config.page_size) + 2
+    # One request's window and a page to compute in (a chunk shrinks to the room there is).
+    least = -(-window // config.page_size) + 2
     window_pages = max(int(pages * ratio), least)
     logger.info("swa_memory=window: %d full-attention layers keep %d tokens, %d windowed "
                 "layers (window %d) %d", full_layers, pages * config.page_size, len(local),
