@@ -247,6 +247,8 @@ class Scheduler:
                 return
             if self._waits_for_shared_prefill(request):
                 continue
+            if not self.window_kv.admits():
+                return  # the running requests' windows fill the window group: they go first
             admitted = self._try_admit(request)
             if admitted is None:
                 return  # out of memory: later requests would not fit either

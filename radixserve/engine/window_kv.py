@@ -54,6 +54,10 @@ class FullKV:
         `slide`), giving up kept resume windows if it must; returns how many."""
         return count
 
+    def admits(self) -> bool:
+        """Whether a newly admitted request could get room for its next token now."""
+        return True
+
     def keep(self, request: Request, end: int) -> None:
         """The cache keeps the window before position `end` (just published) for resuming."""
 
@@ -147,6 +151,9 @@ class WindowKV(FullKV):
                 return end
             end = missing * size
         return 0
+
+    def admits(self) -> bool:
+        return self.free_pages > 0 or any(not self._holds[p] for p in self._kept_order)
 
     def release_full(self, slots: list[int]) -> None:
         size = self.page_size
