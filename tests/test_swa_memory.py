@@ -140,7 +140,7 @@ def test_a_running_request_holds_only_its_window(gemma3):
     window = engine.window_kv
     assert isinstance(window, WindowKV)
     engine.add_request(_tokens(random.Random(3), 40),
-                       SamplingParams(max_tokens=60, temperature=0, ignore_eos=True))
+                       SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
     held = []
     while engine.has_unfinished_requests():
         engine.step()
