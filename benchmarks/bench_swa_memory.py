@@ -3,8 +3,9 @@
 1. Pool capacity at 8k-token contexts on a Gemma-3-shaped model (Gemma 3 1B: 26 layers, every
    6th global, window 512, 1 KV head, head_dim 256, bfloat16), keeping every layer's KV (what
    the engine does today: the real `kv_pool_pages`) against a sliding-window group that holds
-   only the window (+ one prefill chunk while prefilling) of its local layers. The second is
-   the design's arithmetic on the real `PageAllocator`, not an engine run.
+   only the window (+ one prefill chunk while prefilling) of its local layers: the design's
+   arithmetic on the real `PageAllocator`, and the engine's own swa_memory=window pools
+   (`kv_pool_shape`) filled by its `WindowKV` with decoding requests, per `--swa-pool-ratio`.
 2. What a hit costs when the window's KV at an old branch point was freed, measured on a small
    random-weight model (odd layers windowed): a branch inside a cached prompt with everything
    kept (today), with the window kept only at chunk ends (a match shortened to the last one:
@@ -31,7 +32,9 @@ import torch
 from radixserve import LLM, SamplingParams
 from radixserve.config import EngineConfig
 from radixserve.engine.kv_pool import OutOfSlots, PageAllocator
-from radixserve.engine.setup import kv_pool_pages
+from radixserve.engine.request import Request
+from radixserve.engine.setup import kv_pool_pages, kv_pool_shape
+from radixserve.engine.window_kv import WindowKV
 from radixserve.layers.attention import LayerAttention
 from radixserve.model.config import ModelConfig
 
@@ -96,6 +99,46 @@ def capacity(shape: Shape, memory_gb: float, context: int, chunk: int) -> dict[s
     result["gain_decode"] = result["window_group_decode_contexts"] / result["full_kv_contexts"]
     result["gain_prefill"] = result["window_group_prefill_contexts"] / result["full_kv_contexts"]
     return result
+
+
+def engine_capacity(shape: Shape, memory_gb: float, context: int, ratio: float,
+                    page_size: int = 16) -> dict[str, float]:
+    """Concurrent `context`-token requests decoding at once in the engine's own pools: the
+    sizes `kv_pool_shape` gives with swa_memory=window at `swa_pool_ratio` `ratio`, filled by
+    the real `WindowKV` (each request's full slots from the full group's allocator, its window
+    held and one more token reserved, as the scheduler does before a decode step)."""
+    dtype = torch.bfloat16
+    layer_types = tuple("full_attention" if (i + 1) % shape.global_every == 0
+                        else "sliding_attention" for i in range(shape.layers))
+    model = ModelConfig(architecture="gemma3", vocab_size=262144, hidden_size=1152,
+                        intermediate_size=6912, num_layers=shape.layers, num_heads=4,
+                        num_kv_heads=shape.kv_heads, head_dim=shape.head_dim,
+                        rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=32768,
+                        tie_word_embeddings=True, sliding_window=shape.window,
+                        layer_types=layer_types)  # type: ignore[arg-type]
+    config = EngineConfig(kv_cache_memory_gb=memory_gb, page_size=page_size,
+                          swa_memory="window", swa_pool_ratio=ratio)
+    pool = kv_pool_shape(config, model, dtype)
+    full = PageAllocator(pool.pages, page_size)
+    window = WindowKV(PageAllocator(pool.window_pages, page_size), pool.pages, pool.window,
+                      full.release)
+    pages = -(-(context + 1) // page_size)
+    running = 0
+    while full.free_slots >= pages * page_size:
+        request = Request(f"r{running}", [0] * context, SamplingParams(max_tokens=1))
+        request.slots = full.allocate(pages)
+        request.num_computed = context
+        window.slide(request)
+        if window.reserve(request, 1) < 1:
+            break
+        running += 1
+    layer_bytes = shape.layer_token_bytes(dtype)
+    used = (pool.pages * (shape.layers - len(pool.window_layers))
+            + pool.window_pages * len(pool.window_layers)) * page_size * layer_bytes
+    return {"swa_pool_ratio": ratio, "page_size": page_size,
+            "full_group_tokens": pool.pages * page_size,
+            "window_group_tokens": pool.window_pages * page_size,
+            "pool_gib": round(used / 2**30, 3), "contexts": running}
 
 
 def _tokens(rng: random.Random, n: int) -> list[int]:
@@ -167,11 +210,15 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=6000)
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--swa-pool-ratio", type=float, nargs="+", default=[0.25, 0.07],
+                        help="window group sizes to fill with the engine's WindowKV")
     parser.add_argument("--skip-model", action="store_true", help="only the capacity figure")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     result: dict[str, object] = {
-        "capacity_gemma3_1b": capacity(GEMMA3_1B, args.memory_gb, args.context, args.chunk)}
+        "capacity_gemma3_1b": capacity(GEMMA3_1B, args.memory_gb, args.context, args.chunk),
+        "engine_capacity_gemma3_1b": [engine_capacity(GEMMA3_1B, args.memory_gb, args.context,
+                                                      ratio) for ratio in args.swa_pool_ratio]}
     print(json.dumps(result, indent=2))
     if not args.skip_model:
         result["branch_hit"] = branch_hit_cost(args.prompt, args.window, args.chunk,

@@ -40,6 +40,11 @@ MATMUL_BACKEND_ALIASES = {"skinny-float": "float-panels"}
 # turn last-bit differences into different roundings); where the kernels cannot run (CUDA,
 # float16, no compiler) auto dequantizes, as none does, and says so in the log.
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
+# Sliding-window layers' KV (radixserve/engine/window_kv.py): full, every layer keeps the whole
+# context in one slot space (a cached prefix resumes at any page); window, the local layers get
+# a slot space of their own holding each running request's window and chunk plus a window where
+# each publish ended (chunk and prompt ends), so a cache hit is cut back to such a point.
+SWA_MEMORY_MODES = ("full", "window")
 # Waiting one step saves the shared tokens' compute and costs about one step's fixed overhead
 # (the other requests' work in that step is done before the waiter's first token either way).
 # A CPU step is compute-bound from a few dozen tokens up, so a chat template's header and a
@@ -74,6 +79,12 @@ class EngineConfig:
     prefill_attention_backend: str = "auto"  # see PREFILL_ATTENTION_BACKENDS
     matmul_backend: str = "auto"  # projections of steps with few tokens; see MATMUL_BACKENDS
     quantization: str = "auto"  # see QUANTIZATIONS
+    # See SWA_MEMORY_MODES; window is a no-op (with a log line) for a model whose layers are
+    # not a mix of windowed and full ones. kv_cache_tokens then sizes the full-attention group.
+    swa_memory: str = "full"
+    # window: the window group's pool in tokens, as a fraction of the full-attention group's
+    # (at least one request's window and a page; a prefill chunk shrinks to the room there is).
+    swa_pool_ratio: float = 0.25
     # A Jinja chat template file used instead of the model's own (vLLM's --chat-template).
     chat_template: str | None = None
     # The disk KV tier (radixserve/kv_tier): off unless a directory is given. Every block of
@@ -137,6 +148,15 @@ class EngineConfig:
         need(1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
              f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], "
              f"got {self.num_speculative_tokens}")
+        need(self.swa_memory in SWA_MEMORY_MODES,
+             f"swa_memory must be one of {SWA_MEMORY_MODES}, got {self.swa_memory!r}")
+        need(0 < self.swa_pool_ratio <= 1, "swa_pool_ratio must be in (0, 1]")
+        need(self.swa_memory == "full" or self.kv_offload_dir is None,
+             "swa_memory='window' does not work with the disk tier (kv_offload_dir) yet: the "
+             "tier stores and loads every layer's KV of a block")
+        need(self.speculative == "off" or self.swa_memory == "full",
+             "speculative decoding does not work with swa_memory='window' yet: a rejected "
+             "draft's sliding-window KV is not given back through the window group")
         need(self.page_size >= 1, "page_size must be >= 1")
         need(self.kv_cache_tokens is None or self.kv_cache_tokens >= self.page_size,
              "kv_cache_tokens must be at least one page")

@@ -31,6 +31,7 @@ from radixserve.config import (
     QUANTIZATIONS,
     SCHEDULE_POLICIES,
     SPECULATIVE_METHODS,
+    SWA_MEMORY_MODES,
     EngineConfig,
 )
 from radixserve.home import cache_home
@@ -151,6 +152,13 @@ def _cache_flags(cache: argparse._ArgumentGroup) -> None:
                        help="KV pool size in tokens; unset: sized by --kv-cache-memory-gb")
     cache.add_argument("--kv-cache-memory-gb", type=float, default=1.0,
                        help="KV pool size in GiB when --kv-cache-tokens is unset")
+    cache.add_argument("--swa-memory", choices=SWA_MEMORY_MODES, default=EngineConfig.swa_memory,
+                       help="sliding-window layers' KV: full keeps the whole context in every "
+                            "layer; window keeps only the window (and a window at each cached "
+                            "chunk or prompt end) in a slot space of their own")
+    cache.add_argument("--swa-pool-ratio", type=float, default=EngineConfig.swa_pool_ratio,
+                       help="with --swa-memory window: the window group's pool in tokens as a "
+                            "fraction of the full-attention layers'")
     cache.add_argument("--max-num-seqs", type=int, default=64,
                        help="most sequences in one running batch")
     cache.add_argument("--max-num-batched-tokens", type=int, default=2048,

@@ -30,7 +30,7 @@ from radixserve.engine.runner import ModelRunner
 from radixserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from radixserve.engine.setup import (
     build_attention,
-    kv_pool_pages,
+    kv_pool_shape,
     load_model,
     resolve_device,
     resolve_dtype,
@@ -38,6 +38,7 @@ from radixserve.engine.setup import (
 from radixserve.engine.speculative.cost_model import StepCostModel
 from radixserve.engine.speculative.policy import Speculation, SpeculationSettings
 from radixserve.engine.structured_output import GrammarCompiler
+from radixserve.engine.window_kv import FullKV, WindowKV
 from radixserve.kernels.cpu import describe as describe_cpu
 from radixserve.kv_tier.blocks import ModelFingerprint, weights_identity
 from radixserve.kv_tier.store import TierStore
@@ -82,24 +83,33 @@ class LLMEngine:
         self.model_config = mc = loaded.config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
                                  mc.max_position_embeddings)
-        self.pool = KVPool(mc.num_layers, kv_pool_pages(config, mc, self.dtype), config.page_size,
-                           mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
+        shape = kv_pool_shape(config, mc, self.dtype)
+        self.pool = KVPool(mc.num_layers, shape.pages, config.page_size, mc.num_kv_heads,
+                           mc.head_dim, self.dtype, self.device, shape.window_layers,
+                           shape.window_pages)
+        self.window_kv = (FullKV(self.pool.allocator.release)
+                          if self.pool.window_allocator is None
+                          else WindowKV(self.pool.window_allocator, shape.pages, shape.window,
+                                        self.pool.allocator.release))
         self.limits = EngineLimits(mc.vocab_size, self.max_model_len, self.pool.num_slots,
                                    mc.family)
         self.cache = make_prefix_cache(config.prefix_cache, config.page_size,
-                                       self.pool.allocator.release, clock=clock,
+                                       self.window_kv.release_full, clock=clock,
                                        max_pinned_tokens=int(self.pool.num_slots
                                                              * config.max_pinned_fraction))
-        attention = build_attention(config, mc, self.pool.num_slots, self.device, self.dtype)
+        attention = build_attention(
+            config, mc, self.pool.num_slots, self.device, self.dtype,
+            shape.window_pages * config.page_size if shape.window_layers else None)
         self.offload = self._kv_offload(attention.name) if config.kv_offload_dir else None
         self.speculation = Speculation(SpeculationSettings(
             config.speculative, config.num_speculative_tokens, self.max_model_len))
         self.scheduler = Scheduler(config, self.pool.allocator, self.cache, clock,
                                    tier=self.offload, device_type=self.device.type,
-                                   speculation=self.speculation)
+                                   speculation=self.speculation, window_kv=self.window_kv)
         # Requests without a seed of their own draw from this one generator (vLLM's rule).
         generator = torch.Generator().manual_seed(config.seed)
-        self.runner = ModelRunner(self.model, self.pool, attention, self.device, generator)
+        self.runner = ModelRunner(self.model, self.pool, attention, self.device, generator,
+                                  window_kv=self.window_kv)
         self.detokenizer = Detokenizer(self.tokenizer, self.max_model_len)
         self.grammars = GrammarCompiler(self.tokenizer, bounds=ValueBounds(
             config.grammar_int64_integers, config.grammar_max_number_chars,
@@ -270,7 +280,7 @@ class LLMEngine:
         if plan.empty:
             self._check_invariants()
             return []
-        self._check_slot_mirrors()
+        self._check_slot_mirrors(plan)
         if plan.decodes or plan.verifies:
             self.speculation.counters.steps += 1
             self.speculation.counters.speculative_steps += bool(plan.verifies)
@@ -312,9 +322,13 @@ class LLMEngine:
         self._publish_kv_events()
         request.slots = self.pool.allocator.allocate(pages)
         try:
+            if self.window_kv.reserve(request, len(token_ids)) < len(token_ids):
+                raise ValueError(f"prompt_logits: {len(token_ids)} tokens do not fit the "
+                                 "sliding-window layers' pool at once")
             plan = SchedulerOutput(prefills=[ScheduledChunk(request, len(token_ids))])
             return self.runner.forward(plan)[0][0]
         finally:
+            self.window_kv.release(request)
             self.pool.allocator.release(request.slots)
 
     def _timed_forward(self, rows: int) -> None:
@@ -334,10 +348,13 @@ class LLMEngine:
             private=self.scheduler.private_slots(),
         )
 
-    def _check_slot_mirrors(self) -> None:
+    def _check_slot_mirrors(self, plan: SchedulerOutput) -> None:
         if self.config.debug_invariants:
             stale = [r.request_id for r in self.scheduler.running if not r.slot_mirror_ok()]
             assert not stale, f"slot mirrors out of step with slot tables: {stale}"
+            reads = [(r, r.num_computed + 1) for r in plan.decodes] + [
+                (c.request, c.request.num_computed + c.num_tokens) for c in plan.prefills]
+            self.window_kv.check(self.scheduler.running, reads)
 
     def _check_invariants(self) -> None:
         if not self.config.debug_invariants:

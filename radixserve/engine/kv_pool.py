@@ -91,7 +91,10 @@ class KVPool:
     """K and V storage for every layer: `[num_kv_heads, num_slots, head_dim]` each.
 
     Head-major, so that gathering a request's slots yields attention's `[heads, tokens, dim]`
-    layout directly, with no transposing copy of the gathered keys and values.
+    layout directly, with no transposing copy of the gathered keys and values. The layers in
+    `window_layers` (sliding-window layers with a slot space of their own, see
+    radixserve/engine/window_kv.py) hold `window_pages` pages instead, handed out by
+    `window_allocator`.
     """
 
     def __init__(
@@ -103,19 +106,27 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        window_layers: frozenset[int] = frozenset(),
+        window_pages: int = 0,
     ) -> None:
         self.allocator = PageAllocator(num_pages, page_size)
+        self.window_allocator = (PageAllocator(window_pages, page_size) if window_layers
+                                 else None)
         self.page_size = page_size
         self.num_slots = num_pages * page_size
-        shape = (num_kv_heads, self.num_slots, head_dim)
+        self.window_layers = window_layers
         # Not zeroed: a slot is written before attention reads it (a row reads only positions
         # its sequence has computed). Zeroing made the whole pool resident at start, a cost that
         # grows with the pool. The exception is slot 0, which the PyTorch decode backend reads
         # as padding: masked, its weight is 0, but 0 times a NaN left in fresh (GPU) memory
         # would still be NaN.
-        self.layers = [LayerKV(torch.empty(shape, dtype=dtype, device=device),
-                               torch.empty(shape, dtype=dtype, device=device))
-                       for _ in range(num_layers)]
+        def shape(layer: int) -> tuple[int, int, int]:
+            pages = window_pages if layer in window_layers else num_pages
+            return (num_kv_heads, pages * page_size, head_dim)
+
+        self.layers = [LayerKV(torch.empty(shape(i), dtype=dtype, device=device),
+                               torch.empty(shape(i), dtype=dtype, device=device))
+                       for i in range(num_layers)]
         for layer in self.layers:
             layer.k[:, 0].zero_()
             layer.v[:, 0].zero_()

@@ -31,6 +31,7 @@ from radixserve.engine.sampling_rows import SampleResult, SampleRow
 from radixserve.engine.scheduler import ScheduledDraft, SchedulerOutput
 from radixserve.engine.speculative.verify import accept_greedy, accept_sampled
 from radixserve.engine.structured_output import fill_masks
+from radixserve.engine.window_kv import FullKV
 from radixserve.kernels import argmax_op, token_bitmask_op
 from radixserve.layers.attention import SequenceSpan, StepAttention, StepLayout
 from radixserve.model.decoder import DecoderModel
@@ -85,9 +86,12 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, model: DecoderModel, pool: KVPool, attention: StepAttention,
-                 device: torch.device, generator: torch.Generator | None = None) -> None:
+                 device: torch.device, generator: torch.Generator | None = None,
+                 window_kv: FullKV | None = None) -> None:
         self.model = model
         self.pool = pool
+        # Where sliding-window layers have a slot space of their own, it lays out their rows.
+        self.window_kv = window_kv or FullKV(pool.allocator.release)
         self.attention = attention
         self.device = device
         # Draws the samples of requests without a seed of their own (EngineConfig.seed).
@@ -145,7 +149,8 @@ class ModelRunner:
                 logit_rows.append(len(ids) - 1)
                 wants_logits.append(request)
         logit_rows.extend(verify_rows)
-        layout = StepLayout(decodes, prefills, self._tensor(write_slots))
+        layout = StepLayout(decodes, prefills, self._tensor(write_slots),
+                            self.window_kv.local_layout(decodes, prefills, self.device))
         # The last layer runs only for the rows something reads: those sampled from and those
         # scoring prompt tokens. The others' K/V is all the step keeps of them.
         wanted = sorted({*logit_rows, *(row for span in prompt_spans

@@ -35,6 +35,7 @@ from radixserve.engine.kv_pool import OutOfSlots, PageAllocator
 from radixserve.engine.request import Request, RequestStatus
 from radixserve.engine.speculative.policy import Speculation
 from radixserve.engine.tier_loads import KVTier, TierLoads
+from radixserve.engine.window_kv import FullKV
 from radixserve.outputs import FinishReason
 from radixserve.sequences import common_prefix_len
 
@@ -100,9 +101,12 @@ class Scheduler:
         tier: KVTier | None = None,
         device_type: str = "cpu",
         speculation: Speculation | None = None,
+        window_kv: FullKV | None = None,
     ) -> None:
         self.config = config
         self.speculation = speculation
+        # The sliding-window layers' own slot space, where they have one (window_kv.py).
+        self.window_kv = window_kv or FullKV(allocator.release)
         self.dedup_min_tokens = (config.dedup_min_tokens if config.dedup_min_tokens is not None
                                  else DEDUP_MIN_TOKENS[device_type])
         self.allocator = allocator
@@ -179,19 +183,25 @@ class Scheduler:
 
     def _schedule_tokens(self, request: Request, out: SchedulerOutput, budget: int) -> int:
         """Adds the request's next tokens to the step (one decode token, or a prefill chunk
-        within `budget`); returns how many."""
+        within `budget` and the sliding-window layers' room); returns how many."""
         todo = request.num_tokens - request.num_computed
         # The prompt's last token of a request that only scores its prompt (max_tokens 0) is
         # a prefill chunk, so that nothing is sampled for it.
-        if todo == 1 and (request.params.max_tokens or request.output_token_ids):
+        decode = todo == 1 and bool(request.params.max_tokens or request.output_token_ids)
+        if decode:
+            # (EngineConfig refuses speculation with the window group: a rejected draft's
+            # local KV is not given back through it yet.)
             draft = self._draft(request, budget - 1)
             if draft:
                 out.verifies.append(ScheduledDraft(request, draft))
                 return 1 + len(draft)
+        chunk = self._window_room(request, min(todo, budget), out)
+        if not chunk:
+            return 0
+        if decode:
             out.decodes.append(request)
-            return 1
-        chunk = min(todo, budget)
-        out.prefills.append(ScheduledChunk(request, chunk))
+        else:
+            out.prefills.append(ScheduledChunk(request, chunk))
         return chunk
 
     def _draft(self, request: Request, budget: int) -> list[int]:
@@ -214,6 +224,21 @@ class Scheduler:
         dropped = request.truncate_slots(keep)
         if dropped:
             self.allocator.release(dropped)
+
+    def _window_room(self, request: Request, count: int, out: SchedulerOutput) -> int:
+        """Holds the sliding-window layers' KV for up to `count` next tokens of the request,
+        after giving back what left its window (the window group gives up cached resume
+        windows first), else preempts newer requests. Returns how many tokens it holds room for (0: none, the request itself may
+        have been preempted)."""
+        self.window_kv.slide(request)
+        while True:
+            room = self.window_kv.reserve(request, count)
+            if room:
+                return room
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            if victim is request:
+                return 0
 
     def _grow(self, request: Request, out: SchedulerOutput) -> bool:
         """Gives `request` a slot for its next token, preempting newer requests if needed."""
@@ -276,6 +301,8 @@ class Scheduler:
                 return
             if self._waits_for_shared_prefill(request):
                 continue
+            if not self.window_kv.admits():
+                return  # the running requests' windows fill the window group: they go first
             admitted = self._try_admit(request)
             if admitted is None:
                 return  # out of memory: later requests would not fit either
@@ -325,6 +352,9 @@ class Scheduler:
         reads_cache = not request.needs_prompt_logprobs
         lookup = request.num_tokens - 1 if reads_cache else 0
         match = self.cache.match_prefix(request.namespace, request.token_ids[:lookup])
+        resumable = self.window_kv.resumable(match.slots, match.length)
+        if resumable < match.length:  # the window KV before the match's end was freed
+            match = self.cache.match_prefix(request.namespace, request.token_ids[:resumable])
         self.cache.lock(match.handle)
         need_tokens = request.num_tokens - match.length
         need_pages = -(-need_tokens // self.page_size)
@@ -339,6 +369,7 @@ class Scheduler:
         request.cache_len = match.length
         request.cache_handle = match.handle
         request.num_computed = match.length
+        self.window_kv.adopt(request)
         if not self._allocate_pages(need_pages, request):
             self._release(request, publish=False)
             return None
@@ -400,6 +431,7 @@ class Scheduler:
         for i in range(request.cache_len, aligned):
             if request.slots[i] != result.slots[i]:
                 duplicates.append(request.slots[i])
+                self.window_kv.repoint(request, i, request.slots[i], result.slots[i])
                 request.repoint_slot(i, result.slots[i])
         if duplicates:
             self.allocator.release(duplicates)
@@ -408,6 +440,7 @@ class Scheduler:
             self.cache.unlock(request.cache_handle)
         request.cache_handle = result.handle
         request.cache_len = aligned
+        self.window_kv.keep(request, aligned)
         if self.tier is not None:
             self.tier.write_through(request, aligned)
         self._apply_pins(request)
@@ -438,6 +471,7 @@ class Scheduler:
     def _release(self, request: Request, publish: bool) -> None:
         if publish:
             self.publish(request)
+        self.window_kv.release(request)
         if request.cache_handle is not None:
             self.cache.unlock(request.cache_handle)
         private = request.slots[request.cache_len :]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -94,11 +94,59 @@ def kv_pool_pages(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) 
     return max(1, tokens // config.page_size)
 
 
+@dataclass(frozen=True)
+class PoolShape:
+    """The KV pool's pages, and the sliding-window layers' slot space where they have one
+    (radixserve/engine/window_kv.py): its layers, pages and (largest) window."""
+
+    pages: int
+    window_layers: frozenset[int] = frozenset()
+    window_pages: int = 0
+    window: int = 0
+
+
+def kv_pool_shape(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) -> PoolShape:
+    """`kv_pool_pages`, or with `swa_memory="window"` on a model mixing windowed and full
+    layers, the full-attention group's pages and the window group's (`swa_pool_ratio` of
+    them, at least one request's window and a page), within `kv_cache_memory_gb` together."""
+    windows = {i: model.layer_window(i) for i in range(model.num_layers)}
+    local = frozenset(i for i, w in windows.items() if w is not None)
+    if config.swa_memory == "full":
+        return PoolShape(kv_pool_pages(config, model, dtype))
+    if not local or len(local) == model.num_layers:
+        logger.info("swa_memory=window: %s has %s, so every layer keeps its whole context",
+                    model.architecture, "no sliding-window layers" if not local
+                    else "no full-attention layer to name the cached tokens")
+        return PoolShape(kv_pool_pages(config, model, dtype))
+    ratio = config.swa_pool_ratio
+    layer_bytes = 2 * model.num_kv_heads * model.head_dim * dtype.itemsize
+    full_layers = model.num_layers - len(local)
+    tokens = config.kv_cache_tokens or int(config.kv_cache_memory_gb * 2**30
+                                           // (layer_bytes * (full_layers + ratio * len(local))))
+    pages = max(1, tokens // config.page_size)
+    window = max(w for w in windows.values() if w is not None)
+    # One request's window and a page to compute in (a chunk shrinks to the room there is).
+    least = -(-window // config.page_size) + 2
+    window_pages = max(int(pages * ratio), least)
+    logger.info("swa_memory=window: %d full-attention layers keep %d tokens, %d windowed "
+                "layers (window %d) %d", full_layers, pages * config.page_size, len(local),
+                window, window_pages * config.page_size)
+    return PoolShape(pages, local, window_pages, window)
+
+
 def build_attention(config: EngineConfig, model: ModelConfig, num_slots: int,
-                    device: torch.device, dtype: torch.dtype) -> StepAttention:
+                    device: torch.device, dtype: torch.dtype,
+                    window_slots: int | None = None) -> StepAttention:
+    """The step's attention backends; with `window_slots`, the same backends again for the
+    sliding-window layers' own slot space of that size."""
     # Layers whose windows differ pass their own (DecoderModel.layer_attention).
     window = model.layer_window(0) if model.uniform_windows else None
     env = AttentionEnv(num_heads=model.num_heads, num_kv_heads=model.num_kv_heads,
                        head_dim=model.head_dim, window=window,
                        num_slots=num_slots, device=device, dtype=dtype)
-    return choose_attention(env, config.attention_backend, config.prefill_attention_backend)
+    attention = choose_attention(env, config.attention_backend, config.prefill_attention_backend)
+    if window_slots is None:
+        return attention
+    group = choose_attention(replace(env, num_slots=window_slots), config.attention_backend,
+                             config.prefill_attention_backend)
+    return replace(attention, window_group=group)

@@ -56,6 +56,9 @@ class StepLayout:
     decodes: list[SequenceSpan]
     prefills: list[SequenceSpan]
     write_slots: torch.Tensor  # [T] int64: the KV slot each row's new K/V goes to
+    # The same rows in the sliding-window layers' own slot space, where they have one
+    # (radixserve/engine/window_kv.py); None: every layer reads the pool's one slot space.
+    window_group: StepLayout | None = None
 
 
 @dataclass(frozen=True)
@@ -195,6 +198,8 @@ class StepPlan:
     layout: StepLayout
     window: int | None
     by_window: dict[int | None, RolePlans] = field(compare=False, repr=False)
+    # The plan of the sliding-window layers' own slot space, where they have one.
+    window_group: StepPlan | None = field(default=None, compare=False, repr=False)
 
     @property
     def decode(self) -> object | None:
@@ -207,10 +212,12 @@ class StepPlan:
 
 @dataclass(frozen=True)
 class StepAttention:
-    """The decode backend and the prefill backend an engine runs with."""
+    """The decode backend and the prefill backend an engine runs with; `window_group`, the
+    same backends built for the sliding-window layers' own slot space, where it has one."""
 
     decode: AttentionBackend
     prefill: AttentionBackend
+    window_group: StepAttention | None = None
 
     @property
     def name(self) -> str:
@@ -222,8 +229,10 @@ class StepAttention:
 
     def plan(self, layout: StepLayout) -> StepPlan:
         window = self.env.window
+        group = (self.window_group.plan(layout.window_group)
+                 if self.window_group is not None and layout.window_group is not None else None)
         return StepPlan(write_slots=layout.write_slots, layout=layout, window=window,
-                        by_window={window: self._roles(layout, window)})
+                        by_window={window: self._roles(layout, window)}, window_group=group)
 
     def _roles(self, layout: StepLayout, window: int | None) -> RolePlans:
         return RolePlans(
@@ -241,7 +250,11 @@ class StepAttention:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKV,
                 plan: StepPlan, layer: LayerAttention | None = None) -> torch.Tensor:
         """Stores the rows' K/V in the pool, then attends as `layer` says (None: the model's
-        window, head_dim**-0.5, no sinks); returns [T, H, D]."""
+        window, head_dim**-0.5, no sinks); returns [T, H, D]. A windowed layer with a slot
+        space of its own (`cache` is then that space's) goes to the window group."""
+        if (plan.window_group is not None and layer is not None and layer.window is not None
+                and self.window_group is not None):
+            return self.window_group.forward(q, k, v, cache, plan.window_group, layer)
         cache.write(plan.write_slots, k, v)
         if layer is None:
             roles, scale, sinks = plan.by_window[plan.window], self.env.scale, None
