@@ -20,13 +20,14 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
-from radixserve.engine.async_engine import EngineDeadError
+from radixserve.engine.async_engine import AsyncEngine, EngineDeadError
 from radixserve.server.accounting import CacheLedger
 from radixserve.server.anthropic.protocol import CountTokensRequest, MessagesRequest
 from radixserve.server.anthropic.routes import install_anthropic_api
 from radixserve.server.context import ReplicaView, ServerContext, context_of
 from radixserve.server.errors import install_error_handlers
 from radixserve.server.front import EngineFront
+from radixserve.server.next_turn import NextTurnLedger
 from radixserve.server.observability.dashboard import install_dashboard
 from radixserve.server.observability.metrics import EngineSnapshot, ServerMetrics, take_snapshot
 from radixserve.server.observability.stats_routes import install_cache_stats
@@ -45,8 +46,10 @@ def create_app(aengine: EngineFront, settings: ServerSettings | None = None,
     metrics = ServerMetrics(settings.model_name, settings.metrics_compat)
     lifecycle = Lifecycle()
     service = EngineService(aengine, settings, metrics, lifecycle)
+    background = aengine.prefill_in_background if (
+        isinstance(aengine, AsyncEngine) and aengine.background is not None) else None
     ctx = ServerContext(aengine, settings, metrics, lifecycle, service, created=int(time.time()),
-                        replicas=replicas)
+                        replicas=replicas, next_turn=NextTurnLedger(background))
     # TTL pins and vendor cache entries must age on one clock: the engine's.
     clock = aengine.clock
     ledger = CacheLedger(settings, metrics, clock)
@@ -108,7 +111,8 @@ async def _snapshot(ctx: ServerContext) -> EngineSnapshot | None:
     if not ctx.aengine.alive:
         return None
     # Shielded: a cancelled engine call would break the engine thread (see serving._pump).
-    call = asyncio.ensure_future(ctx.aengine.run(take_snapshot))
+    background = ctx.aengine.background if isinstance(ctx.aengine, AsyncEngine) else None
+    call = asyncio.ensure_future(ctx.aengine.run(lambda e: take_snapshot(e, background)))
     try:
         return await asyncio.shield(call)
     except EngineDeadError:
