@@ -13,7 +13,7 @@ import json
 import re
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -217,21 +217,33 @@ def test_the_dashboard_says_which_assistant_turn_the_template_rewrote(
 def test_a_background_prefill_yields_to_a_request_within_one_step(qwen3: Path) -> None:
     llm = LLM(str(qwen3), **{**TINY_ENGINE, "max_num_batched_tokens": 16})
     engine = llm.engine
+    namespace = (engine.config.model, None)
     background = BackgroundPrefill(engine)
-    history = list(range(1000, 1200))
+    history = list(range(1000, 1100))
     background.submit(PrefillJob(tuple(history), None))
     assert background.start_if_idle()
     engine.step()  # the first 16-token chunk of the background prefill
     background.yield_now()  # a request arrives
     engine.add_request([7, 8, 9, 10], SamplingParams(max_tokens=1, temperature=0), "real")
+    assert not background.start_if_idle()  # not while the request is in
     outputs = engine.step()
     assert [o.request_id for o in outputs if o.finished] == ["real"]  # served the next step
-    assert background.stats.yielded == 1 and background.stats.tokens == 16
-    # What it computed stays cached, first to go: evicting 16 tokens takes it and not "real".
-    assert engine.cache.match_prefix((engine.config.model, None), history).length == 16
-    engine.cache.evict(1)
-    assert engine.cache.match_prefix((engine.config.model, None), history).length == 0
-    assert engine.cache.match_prefix((engine.config.model, None), [7, 8, 9, 10]).length == 4
+    assert background.stats.yielded == 1 and background.snapshot().pending == 1
+    # What it computed stayed cached (16 tokens), first to go: evicting a token takes it, and
+    # not the request's, which is older. (A match would refresh it: none before the evict.)
+    assert engine.cache.stats().cached_tokens >= 16 + 3
+    assert engine.cache.evict(1) == 16
+    assert engine.cache.match_prefix(namespace, history).length == 0
+    assert engine.cache.match_prefix(namespace, [7, 8, 9, 10]).length >= 3
+    # Idle again: it resumes and finishes; the history is cached, demoted whole.
+    assert background.start_if_idle()
+    while engine.has_unfinished_requests():
+        background.after_step(engine.step())
+    assert background.snapshot() == replace(background.stats, pending=0)
+    assert (background.stats.finished, background.stats.tokens) == (1, 100)
+    assert engine.cache.evict(100) == 100
+    assert engine.cache.match_prefix(namespace, history).length == 0
+    assert engine.cache.match_prefix(namespace, [7, 8, 9, 10]).length >= 3
 
 
 def test_the_linter_names_the_rewritten_turn_and_what_it_costs(

@@ -33,13 +33,14 @@ class PrefillJob:
 class _Running:
     request_id: str
     job: PrefillJob
-    cached_at_start: int  # what real requests had cached: never demoted
+    own_from: int  # where the job's own tokens start (real requests had cached the rest)
 
 
 @dataclass
 class BackgroundPrefillStats:
-    """Cumulative: jobs started, finished, yielded to a real request, and the tokens they
-    left in the cache (demoted); `pending`: jobs queued or running now (in snapshots)."""
+    """Cumulative: jobs started (resumptions too), finished, yielded to a real request, and
+    the tokens finished jobs left in the cache (demoted); `pending`: jobs queued or running
+    now (in snapshots)."""
 
     started: int = 0
     finished: int = 0
@@ -58,7 +59,8 @@ class BackgroundPrefill:
         self.engine = engine
         self.cache: RadixCache = engine.cache
         self.stats = BackgroundPrefillStats()
-        self._queue: deque[PrefillJob] = deque(maxlen=MAX_QUEUED)
+        # Jobs, each with where its own tokens start when it resumes after yielding.
+        self._queue: deque[tuple[PrefillJob, int | None]] = deque(maxlen=MAX_QUEUED)
         self._running: _Running | None = None
         self._serial = 0
 
@@ -67,7 +69,7 @@ class BackgroundPrefill:
 
     def submit(self, job: PrefillJob) -> None:
         """Queues `job`; it runs the next time the engine has nothing else to do."""
-        self._queue.append(job)
+        self._queue.append((job, None))
 
     def start_if_idle(self) -> bool:
         """Starts the next queued job when no request is in the engine; True if one started
@@ -75,7 +77,7 @@ class BackgroundPrefill:
         if self._running is not None or self.engine.has_unfinished_requests():
             return False
         while self._queue:
-            job = self._queue.popleft()
+            job, own_from = self._queue.popleft()
             cached = self.cache.match_prefix((self.engine.config.model, job.namespace),
                                              job.token_ids).length
             if cached >= len(job.token_ids) - 1:  # nothing left to compute
@@ -88,19 +90,22 @@ class BackgroundPrefill:
             except ValueError as exc:  # too long for this engine now: not worth an error
                 logger.debug("background prefill skipped: %s", exc)
                 continue
-            self._running = _Running(request_id, job, cached)
+            self._running = _Running(request_id, job, cached if own_from is None else own_from)
             self.stats.started += 1
             return True
         return False
 
     def yield_now(self) -> None:
         """Called before a real request is added: the running job stops (its computed KV is
-        cached, as for any aborted request), so the next step is the request's alone."""
+        cached, as for any aborted request), so the next step is the request's alone; it
+        resumes from there at the next idle time."""
         if self._running is None:
             return
-        self.engine.abort_request(self._running.request_id)
+        running = self._running
+        self.engine.abort_request(running.request_id)
         self.stats.yielded += 1
-        self._end()
+        self._end(finished=False)
+        self._queue.appendleft((running.job, running.own_from))
 
     def after_step(self, outputs: list[RequestOutput]) -> None:
         """Notes the running job's end when this step finished it."""
@@ -109,12 +114,14 @@ class BackgroundPrefill:
         for output in outputs:
             if output.request_id == self._running.request_id and output.finished:
                 self.stats.finished += 1
-                self._end()
+                self._end(finished=True)
                 return
 
-    def _end(self) -> None:
+    def _end(self, finished: bool) -> None:
         assert self._running is not None
         running, self._running = self._running, None
         job = running.job
-        self.stats.tokens += self.cache.demote((self.engine.config.model, job.namespace),
-                                               job.token_ids, keep=running.cached_at_start)
+        demoted = self.cache.demote((self.engine.config.model, job.namespace), job.token_ids,
+                                    keep=running.own_from)
+        if finished:
+            self.stats.tokens += demoted
