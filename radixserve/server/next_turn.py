@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Hashable, Sequence
 from dataclasses import dataclass
@@ -82,13 +83,14 @@ class NextTurnLedger:
         self._remember(_key(history, namespace), len(history), rewrite)
 
     def note_for(self, prompt: Sequence[int], namespace: Hashable) -> tuple[str, ...]:
-        """The note of the rewrite this prompt continues from, if any."""
-        for length in sorted(self._lengths, reverse=True):
-            if length <= len(prompt):
-                found = self._rewrites.get(_key(prompt[:length], namespace))
-                if found is not None:
-                    return (found.note(),)
-        return ()
+        """The note of the longest remembered history this prompt starts with, if any: one
+        pass over the prompt, whatever the number of histories remembered."""
+        digest, done, found = _digest(namespace), 0, None
+        for length in sorted(n for n in self._lengths if n <= len(prompt)):
+            digest.update(_ids_bytes(prompt[done:length]))
+            done = length
+            found = self._rewrites.get(_sealed(length, digest)) or found
+        return (found.note(),) if found is not None else ()
 
     def _remember(self, key: bytes, length: int, rewrite: TemplateRewrite) -> None:
         if key not in self._rewrites:
@@ -104,6 +106,19 @@ class NextTurnLedger:
 
 
 def _key(ids: Sequence[int], namespace: Hashable) -> bytes:
-    digest = hashlib.blake2b(repr(namespace).encode(), digest_size=16)
-    digest.update(b"".join(i.to_bytes(4, "little") for i in ids))
-    return len(ids).to_bytes(4, "big") + digest.digest()
+    digest = _digest(namespace)
+    digest.update(_ids_bytes(ids))
+    return _sealed(len(ids), digest)
+
+
+def _digest(namespace: Hashable) -> Any:
+    return hashlib.blake2b(repr(namespace).encode(), digest_size=16)
+
+
+def _ids_bytes(ids: Sequence[int]) -> bytes:
+    return array("I", ids).tobytes()
+
+
+def _sealed(length: int, digest: Any) -> bytes:
+    """A history's key: its length first (read back when it is forgotten), then its digest."""
+    return length.to_bytes(4, "big") + digest.copy().digest()
