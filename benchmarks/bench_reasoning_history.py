@@ -116,11 +116,12 @@ def _ttft(server: ServerProcess, text: str) -> float:
 
 def background_cost(server: ServerProcess, system: str, samples: int) -> dict[str, float]:
     """TTFT of a short request on an idle engine, and sent while the engine prefills a long
-    history in the background (a finished turn of a conversation with a long system prompt)."""
+    history in the background (a finished turn of a conversation with a long system prompt);
+    `yielded` says how many of those requests found a prefill running."""
     idle = [_ttft(server, f"Say hi {i}.") for i in range(samples)]
     busy = []
     for i in range(samples):
-        long_system = f"{i} " + system * 4  # a fresh conversation: nothing of it cached
+        long_system = f"{i} " + system  # a fresh conversation: nothing of it cached
         worker = threading.Thread(target=agent_loop, args=(server, False, 1, long_system))
         jobs = _metric(server, "background_prefill_jobs")
         worker.start()
@@ -142,6 +143,9 @@ def main() -> int:
     parser.add_argument("--turns", type=int, default=5)
     parser.add_argument("--system-words", type=int, default=300)
     parser.add_argument("--samples", type=int, default=3)
+    parser.add_argument("--cost-system-words", type=int, default=4000,
+                        help="system prompt of the conversations whose background prefill the "
+                             "short requests interrupt (long enough to still be running)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None, help="write the figures as JSON")
     args = parser.parse_args()
@@ -158,7 +162,8 @@ def main() -> int:
                 results[mode] = agent_loop(server, keep, args.turns, system)
                 print(f"{mode:>18}: uncached prompt tokens per turn {results[mode]}")
                 if mode == "next_turn_prefill":
-                    results["background_cost"] = cost = background_cost(server, system,
+                    long_system = system * (args.cost_system_words // args.system_words + 1)
+                    results["background_cost"] = cost = background_cost(server, long_system,
                                                                         args.samples)
                     print(f"{'':>18}  short request TTFT: idle {cost['idle_ttft_s']:.3f} s, "
                           f"during a background prefill {cost['during_background_ttft_s']:.3f} "
