@@ -19,7 +19,6 @@ import json
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -73,7 +72,8 @@ def _settle(server: ServerProcess) -> None:
         time.sleep(0.05)
 
 
-def agent_loop(server: ServerProcess, keep: bool, turns: int, system: str) -> list[int]:
+def agent_loop(server: ServerProcess, keep: bool, turns: int, system: str,
+               settle: bool = True) -> list[int]:
     client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0,
                            timeout=600)
     model = client.models.list().data[0].id
@@ -97,7 +97,8 @@ def agent_loop(server: ServerProcess, keep: bool, turns: int, system: str) -> li
             sent["reasoning_content"] = (message.model_extra or {}).get("reasoning_content")
         messages += [sent, {"role": "tool", "tool_call_id": f"call_{turn}",
                             "content": f"result {turn}: " + "a small grey bird. " * 20}]
-        _settle(server)
+        if settle:
+            _settle(server)
     return uncached
 
 
@@ -122,13 +123,12 @@ def background_cost(server: ServerProcess, system: str, samples: int) -> dict[st
     busy = []
     for i in range(samples):
         long_system = f"{i} " + system  # a fresh conversation: nothing of it cached
-        worker = threading.Thread(target=agent_loop, args=(server, False, 1, long_system))
-        jobs = _metric(server, "background_prefill_jobs")
-        worker.start()
-        while _metric(server, "background_prefill_jobs") <= jobs and worker.is_alive():
-            time.sleep(0.01)
+        # The short request goes as soon as the turn's reply is back: the server then renders
+        # the next turn and starts its prefill, which the request interrupts (within one step:
+        # a prefill chunk of up to --max-num-batched-tokens) or finds finished.
+        agent_loop(server, False, 1, long_system, settle=False)
         busy.append(_ttft(server, f"Say hello {i}."))
-        worker.join()
+        _settle(server)
     return {"idle_ttft_s": statistics.median(idle), "during_background_ttft_s":
             statistics.median(busy), "yielded": _metric(server, "background_prefill_yielded")}
 
