@@ -347,6 +347,13 @@ def _agent_flags(agents: argparse._ArgumentGroup) -> None:
                              "rendering, so the prompt after them stays cacheable")
     agents.add_argument("--preamble-pattern", action="append", default=None, metavar="REGEX",
                         help="also strip a first system line matching REGEX (repeatable)")
+    agents.add_argument("--next-turn-prefill", action=argparse.BooleanOptionalAction,
+                        default=True,
+                        help="when a chat turn ends and the chat template will render it "
+                             "otherwise next turn (reasoning dropped from the history), "
+                             "prefill that history while the engine is idle, evicted first and "
+                             "yielding to any request, so the next turn hits the cache "
+                             "(radix cache only)")
     agents.add_argument("--max-tokens-policy", choices=MAX_TOKENS_POLICIES, default="refuse",
                         help="a request whose prompt plus max_tokens exceeds the context: "
                              "refuse (400, as Anthropic and vLLM do) or clamp max_tokens to "
@@ -460,7 +467,9 @@ def _load(args: argparse.Namespace) -> tuple[ServerSettings, AsyncEngine]:
     # Clock control swaps the engine's clock for one a test can move forward.
     clock = OffsetClock() if settings.enable_clock_control else time.monotonic
     try:
-        return settings, AsyncEngine(lambda: LLMEngine(config, clock=clock))
+        background = settings.next_turn_prefill and config.prefix_cache == "radix"
+        return settings, AsyncEngine(lambda: LLMEngine(config, clock=clock),
+                                     background_prefill=background)
     except (ModelFetchError, FileNotFoundError, ValueError) as exc:
         raise StartupError(f"cannot load the model: {exc}", 1) from exc
 

@@ -116,6 +116,21 @@ def test_reasoning_effort_changed_within_a_conversation(tokenizer):
     assert finding.fix.startswith("keep reasoning_effort fixed")
 
 
+def test_an_effort_given_to_the_template_changed_within_a_conversation(tokenizer, tmp_path):
+    # gpt-oss's template writes it at the head of the system message: nothing after survives.
+    turn1 = [{"role": "system", "content": "You review pull requests. " * 12},
+             {"role": "user", "content": "Review the first change."}]
+    turn2 = [*turn1, {"role": "assistant", "content": "Looks fine."},
+             {"role": "user", "content": "And the second?"}]
+    log = tmp_path / "effort.jsonl"
+    log.write_text("".join(json.dumps({"model": "gpt-oss-20b", "messages": m,
+                                       "chat_template_kwargs": {"reasoning_effort": effort}})
+                           + "\n" for m, effort in ((turn1, "low"), (turn2, "high"))))
+    finding = only(lint_log(read_logs([log]), tokenizer, LintOptions()), "setting_change")
+    assert finding.detail == 'chat_template_kwargs.reasoning_effort: "low" -> "high"'
+    assert finding.tokens_lost_per_request == sum(tokens(tokenizer, m["content"]) for m in turn1)
+
+
 def test_breakpoint_misuse(tokenizer):
     report = lint(tokenizer, "breakpoints.jsonl")
     errors = [f for f in report.findings if f.kind == "breakpoint_error"]

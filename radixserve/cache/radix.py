@@ -129,6 +129,19 @@ class RadixCache(SlotCache[_Node]):
             self._push_if_candidate(node)
             node = node.parent
 
+    def demote(self, namespace: Namespace, tokens: Sequence[int], keep: int) -> int:
+        """Makes the cached run of `tokens` after its first `keep` tokens the first to be
+        evicted (older than anything used), for KV computed ahead of need (a background
+        prefill); a later match refreshes it like any other. Returns the tokens demoted."""
+        node, _, _ = self._descend(namespace, self._aligned(tokens))
+        demoted = 0
+        while node is not self._root and node.depth - node.num_tokens >= keep:
+            node.last_access = -1
+            self._push_if_candidate(node)
+            demoted += node.num_tokens
+            node = node.parent
+        return demoted
+
     def record_use(self, handle: CacheHandle | None) -> None:
         count_use(self._root, self._live_node(handle), self._clock())
 

@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator, Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixserve.engine.background_prefill import BackgroundPrefill, PrefillJob
 from radixserve.engine.engine import LLMEngine
 from radixserve.engine.heartbeat import FaultInjector, Heartbeat
 from radixserve.engine.limits import EngineLimits
@@ -48,9 +49,12 @@ class _Stream:
 class AsyncEngine:
     """Thread-safe front of an `LLMEngine`: `generate` streams, `abort` cancels."""
 
-    def __init__(self, build: Callable[[], LLMEngine]) -> None:
+    def __init__(self, build: Callable[[], LLMEngine], background_prefill: bool = False) -> None:
         """Runs `build()` on the engine thread and waits for it; its exception, if any, is
-        raised here and leaves no thread behind."""
+        raised here and leaves no thread behind. `background_prefill`: accept idle-time
+        prefills (`prefill_in_background`; radix cache only)."""
+        self._background_wanted = background_prefill
+        self.background: BackgroundPrefill | None = None
         self._inbox: queue.Queue[Callable[[], None]] = queue.Queue()
         self._streams: dict[str, _Stream] = {}
         self._stop = threading.Event()
@@ -96,6 +100,8 @@ class AsyncEngine:
                 return
             try:
                 self._streams[request_id] = stream
+                if self.background is not None:
+                    self.background.yield_now()
                 self.engine.add_request(prompt, params, request_id, namespace, **options)
                 added.set_result(request_id)
             except BaseException as exc:  # handed to the caller, never kills the thread
@@ -116,6 +122,14 @@ class AsyncEngine:
         finally:
             if not finished:
                 self.abort(request_id)
+
+    def prefill_in_background(self, token_ids: list[int], namespace: Hashable = None) -> None:
+        """Caches `token_ids`' KV when the engine is next idle, at the lowest priority
+        (`engine.background_prefill`); a no-op when background prefill is off."""
+        background = self.background
+        if background is not None:
+            job = PrefillJob(tuple(token_ids), namespace)
+            self._inbox.put(lambda: background.submit(job))
 
     async def run(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """Runs `fn(engine)` on the engine thread between steps; returns its result."""
@@ -196,6 +210,8 @@ class AsyncEngine:
              ) -> None:
         try:
             engine = build()
+            if self._background_wanted:
+                self.background = BackgroundPrefill(engine)
         except BaseException as exc:  # raised in the constructor's thread
             built.set_exception(exc)
             return
@@ -211,11 +227,15 @@ class AsyncEngine:
             while not self._stop.is_set():
                 self.heartbeat.beat()
                 self._drain_inbox(block=not self.engine.has_unfinished_requests())
+                if self.background is not None:
+                    self.background.start_if_idle()
                 if self.engine.has_unfinished_requests():
                     self.heartbeat.step_begun()
                     self._faults.before_step()
                     outputs = self.engine.step()
                     self.heartbeat.step_ended()
+                    if self.background is not None:
+                        self.background.after_step(outputs)
                     self._dispatch(outputs)
         except BaseException as exc:  # pragma: no cover - a bug; fail every open stream
             logger.exception("engine loop died")

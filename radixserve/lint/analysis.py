@@ -15,6 +15,7 @@ from radixserve.lint.repairs import LOG_WIDE, Delay, Repair, UnifyTools, repair_
 from radixserve.lint.rules import breakpoint_instances, fan_out_instances, setting_instances
 from radixserve.lint.simulate import SimulationResult, corpus_requests, simulate
 from radixserve.lint.structure import PrefixStructure, analyse_structure
+from radixserve.lint.template_rewrites import template_rewrite_instances
 from radixserve.provider_caching.prices import PriceTable, default_prices
 from radixserve.provider_caching.profiles import (
     ModelProfile,
@@ -67,6 +68,11 @@ def lint_log(contents: LogContents, encoder: Encoder, options: LintOptions) -> L
         *breakpoint_instances(corpus, structure, minimum),
         *fan_out_instances(corpus, structure, minimum, options.first_token_s),
     ]
+    # With the model's chat template (a tokenizer loaded from the model), its history rewrites.
+    template = getattr(encoder, "chat_template", None)
+    if isinstance(template, str) and hasattr(encoder, "apply_chat_template"):
+        instances += template_rewrite_instances(corpus, structure, encoder,  # type: ignore[arg-type]
+                                                template)
     report = LintReport(contents.files, len(corpus.requests), corpus.total_tokens,
                         corpus.malformed, structure, tuple(group_findings(instances)))
     if options.simulate is None:

@@ -22,6 +22,7 @@ KINDS: dict[str, str] = {
     "per_request_content": "per-request content before shared content",
     "client_preamble": "a client's per-request preamble before the whole prompt",
     "setting_change": "setting changed within a conversation",
+    "template_rewrite": "the chat template rewrote an assistant turn (its reasoning left out)",
     "volatile_breakpoint": "breakpoint on a block that changes every request",
     "breakpoint_error": "cache_control the vendor rejects",
     "breakpoint_below_minimum": "breakpoint below the model's minimum cacheable length",
@@ -123,6 +124,10 @@ _FIXES: dict[str, Callable[[Instance], str]] = {
                                  f"{_client_fix(i.subject)}",
     "setting_change": lambda i: f"keep {i.subject} fixed for the whole conversation "
                                 "(start a new conversation to change it)",
+    "template_rewrite": lambda i: "send each assistant turn's reasoning_content back (the "
+                                  "template renders it then), or "
+                                  "serve with radixserve, whose --next-turn-prefill (on by "
+                                  "default) prefills the history as the template rewrites it",
     "volatile_breakpoint": lambda i: f"add a breakpoint at the end of {i.subject}, the last "
                                      "block before the part that changes",
     "breakpoint_error": lambda i: "fix the cache_control markers; the vendor answers 400: "

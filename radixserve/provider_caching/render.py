@@ -107,6 +107,9 @@ _SETTING_TIERS: dict[ApiFormat, dict[str, Tier]] = {
     },
     "openai": {
         "reasoning_effort": "tools",
+        # Open-weight servers take the effort as a template argument; gpt-oss's template
+        # writes it at the head of its system message ("Reasoning: high").
+        "chat_template_kwargs.reasoning_effort": "tools",
         "reasoning": "tools",
         "parallel_tool_calls": "tools",
         "verbosity": "tools",
@@ -127,14 +130,22 @@ def render_request(
     render = _render_anthropic if fmt == "anthropic" else _render_openai
     blocks = tuple(render(body, sort_keys))
     settings = tuple(
-        Setting(name, _json(body[name], True), tier)
+        Setting(name, _json(value, True), tier)
         for name, tier in _SETTING_TIERS[fmt].items()
-        if body.get(name) is not None
+        if (value := _setting_value(body, name)) is not None
     )
     automatic = _cache_control(body.get("cache_control")) if fmt == "anthropic" else None
     model = body.get("model")
     return RenderedRequest(fmt, model if isinstance(model, str) else None, blocks, settings,
                            automatic)
+
+
+def _setting_value(body: Mapping[str, Any], name: str) -> Any:
+    """`body[name]`, where a dotted name reaches into an object (None where absent)."""
+    value: Any = body
+    for part in name.split("."):
+        value = value.get(part) if isinstance(value, Mapping) else None
+    return value
 
 
 def block_token_counts(request: RenderedRequest, tokenizer: TextTokenizer) -> list[int]:

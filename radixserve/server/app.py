@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
-from radixserve.engine.async_engine import EngineDeadError
+from radixserve.engine.async_engine import AsyncEngine, EngineDeadError
 from radixserve.server.accounting import CacheLedger
 from radixserve.server.anthropic.protocol import CountTokensRequest, MessagesRequest
 from radixserve.server.anthropic.routes import install_anthropic_api
@@ -28,6 +28,7 @@ from radixserve.server.context import ReplicaView, ServerContext, context_of
 from radixserve.server.errors import install_error_handlers
 from radixserve.server.front import EngineFront
 from radixserve.server.health import Readiness, liveness, readiness
+from radixserve.server.next_turn import NextTurnLedger
 from radixserve.server.observability.dashboard import install_dashboard
 from radixserve.server.observability.metrics import EngineSnapshot, ServerMetrics, take_snapshot
 from radixserve.server.observability.stats_routes import install_cache_stats
@@ -46,8 +47,10 @@ def create_app(aengine: EngineFront, settings: ServerSettings | None = None,
     metrics = ServerMetrics(settings.model_name, settings.metrics_compat)
     lifecycle = Lifecycle()
     service = EngineService(aengine, settings, metrics, lifecycle)
+    background = aengine.prefill_in_background if (
+        isinstance(aengine, AsyncEngine) and aengine.background is not None) else None
     ctx = ServerContext(aengine, settings, metrics, lifecycle, service, created=int(time.time()),
-                        replicas=replicas)
+                        replicas=replicas, next_turn=NextTurnLedger(background))
     # TTL pins and vendor cache entries must age on one clock: the engine's.
     clock = aengine.clock
     ledger = CacheLedger(settings, metrics, clock)
@@ -105,7 +108,8 @@ async def _snapshot(ctx: ServerContext) -> EngineSnapshot | None:
     # Shielded: a cancelled engine call would break the engine thread (see serving._pump).
     # Bounded by the watchdog's stall limit: a scrape during a stalled step renders the last
     # engine figures (and admission's, which need no engine).
-    call = asyncio.ensure_future(ctx.aengine.run(take_snapshot))
+    background = ctx.aengine.background if isinstance(ctx.aengine, AsyncEngine) else None
+    call = asyncio.ensure_future(ctx.aengine.run(lambda e: take_snapshot(e, background)))
     call.add_done_callback(lambda done: done.cancelled() or done.exception())  # retrieved
     try:
         return await asyncio.wait_for(asyncio.shield(call), ctx.settings.watchdog_stall_s)

@@ -13,6 +13,7 @@ from radixserve.model.families import family_named
 from radixserve.model.tokenizer import ChatTokenizer
 from radixserve.server.errors import model_not_found
 from radixserve.server.front import EngineFront
+from radixserve.server.next_turn import NextTurnLedger
 from radixserve.server.observability.metrics import EngineSnapshot, ServerMetrics
 from radixserve.server.reasoning import ReasoningFormat, format_for, reasoning_format
 from radixserve.server.serving import EngineService, Lifecycle
@@ -38,6 +39,8 @@ class ServerContext:
     created: int = 0  # unix time the app was made: the models' `created`
     # Behind a replica ingress: per-replica engine snapshots for /metrics (None: one engine).
     replicas: ReplicaView | None = None
+    # Chat turns whose next turn the template rewrites (notes; the background prefill).
+    next_turn: NextTurnLedger = field(default_factory=lambda: NextTurnLedger(None))
     _token_text: dict[int, str] = field(default_factory=dict)
 
     @property

@@ -79,6 +79,11 @@ class ServerSettings:
     # A request whose prompt plus max_tokens exceeds the context: "refuse" (400, as Anthropic
     # and vLLM do) or "clamp" (max_tokens lowered to the room left, reported in a header).
     max_tokens_policy: str = "refuse"
+    # When a chat turn ends and the template will render it otherwise on the next turn (a
+    # reasoning family's history without the reasoning), that history is prefilled while the
+    # engine is idle, at the lowest eviction priority, yielding to any request (`next_turn`,
+    # `engine.background_prefill`; radix cache, one engine).
+    next_turn_prefill: bool = True
 
     def __post_init__(self) -> None:
         if not self.served_model_names:

@@ -19,6 +19,7 @@ from radixserve.home import cache_home
 LLAMA_CPP_SDIST = "llama-cpp-python==0.3.36"
 # What the converter needs from the sdist's vendored llama.cpp tree.
 CONVERTER_PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
+TEMPLATES_PART = "models/templates/"  # the families' own chat templates
 
 # The worker: one request a line on stdin ("directory<TAB>outfile"), one answer a line on
 # stdout ("ok", or "error" and the exception); the converter's own output goes to stderr.
@@ -47,8 +48,24 @@ def llama_cpp_tree() -> Path:
     pip cannot fetch it)."""
     if os.environ.get("RADIXSERVE_LLAMA_CPP_SRC"):
         return Path(os.environ["RADIXSERVE_LLAMA_CPP_SRC"])
-    tree = cache_home() / "llama_cpp_converter" / LLAMA_CPP_SDIST.replace("==", "-")
-    if (tree / "convert_hf_to_gguf.py").exists():
+    return _sdist_parts("llama_cpp_converter", CONVERTER_PARTS, "convert_hf_to_gguf.py")
+
+
+def family_chat_template(file_name: str) -> str:
+    """A model family's own chat template, as llama.cpp's tree keeps it
+    (models/templates/FILE_NAME), from the same sdist."""
+    if os.environ.get("RADIXSERVE_LLAMA_CPP_SRC"):
+        tree = Path(os.environ["RADIXSERVE_LLAMA_CPP_SRC"])
+    else:
+        tree = _sdist_parts("llama_cpp_templates", (TEMPLATES_PART,), TEMPLATES_PART)
+    return (tree / TEMPLATES_PART / file_name).read_text()
+
+
+def _sdist_parts(folder: str, parts: tuple[str, ...], marker: str) -> Path:
+    """`parts` of the sdist's llama.cpp tree, fetched once with pip into the cache's
+    `folder` (skips the test where pip cannot fetch the sdist)."""
+    tree = cache_home() / folder / LLAMA_CPP_SDIST.replace("==", "-")
+    if (tree / marker).exists():
         return tree
     with tempfile.TemporaryDirectory() as download:
         fetched = subprocess.run(
@@ -56,19 +73,19 @@ def llama_cpp_tree() -> Path:
              "--quiet", LLAMA_CPP_SDIST, "-d", download], capture_output=True, text=True)
         sdists = list(Path(download).glob("*.tar.gz"))
         if fetched.returncode or not sdists:
-            pytest.skip(f"cannot fetch {LLAMA_CPP_SDIST} for its converter: {fetched.stderr}")
-        extract_converter(sdists[0], tree)
+            pytest.skip(f"cannot fetch {LLAMA_CPP_SDIST}: {fetched.stderr}")
+        extract_parts(sdists[0], tree, parts)
     return tree
 
 
-def extract_converter(sdist: Path, tree: Path) -> None:
-    """Unpacks the converter's files from the sdist into `tree` (atomically)."""
+def extract_parts(sdist: Path, tree: Path, parts: tuple[str, ...] = CONVERTER_PARTS) -> None:
+    """Unpacks `parts` of the sdist's llama.cpp tree into `tree` (atomically)."""
     staging = Path(tempfile.mkdtemp(dir=tree.parent if tree.parent.exists() else None))
     with tarfile.open(sdist) as archive:
         members = []
         for member in archive.getmembers():
             _, _, inner = member.name.partition("/vendor/llama.cpp/")
-            if inner and inner.startswith(CONVERTER_PARTS):
+            if inner and inner.startswith(parts):
                 member.name = inner
                 members.append(member)
         archive.extractall(staging, members=members, filter="data")

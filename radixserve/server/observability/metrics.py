@@ -22,6 +22,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from radixserve.cache.base import CacheStats
+from radixserve.engine.background_prefill import BackgroundPrefill, BackgroundPrefillStats
 from radixserve.engine.engine import LLMEngine, PoolStats
 from radixserve.engine.speculative.stats import SpeculationCounters
 from radixserve.kv_tier.store import LOAD_BUCKETS, TierStats
@@ -51,10 +52,13 @@ class EngineSnapshot:
     kv_tier_hits: int
     tier: TierStats | None  # None without a disk tier
     speculation: SpeculationCounters
+    background_prefill: BackgroundPrefillStats | None = None  # None: not on
 
 
-def take_snapshot(engine: LLMEngine) -> EngineSnapshot:
-    """Run on the engine thread (`AsyncEngine.run`), never beside a step."""
+def take_snapshot(engine: LLMEngine, background: BackgroundPrefill | None = None
+                  ) -> EngineSnapshot:
+    """Run on the engine thread (`AsyncEngine.run`), never beside a step; `background`: the
+    engine's idle-time prefills, if on."""
     counters = engine.scheduler.counters
     return EngineSnapshot(
         pool=engine.pool_stats(),
@@ -70,6 +74,7 @@ def take_snapshot(engine: LLMEngine) -> EngineSnapshot:
         speculation=dataclasses.replace(engine.speculation.counters,
                                         accepted_per_position=list(
                                             engine.speculation.counters.accepted_per_position)),
+        background_prefill=background.snapshot() if background is not None else None,
     )
 
 
@@ -160,6 +165,16 @@ class _EngineCollector(Collector):
         yield gauge("prefix_cache_nodes", "Nodes (radix) or blocks (hash) in the prefix cache.",
                     snap.cache.nodes)
         yield from _speculation(snap.speculation, counter, label, value)
+        if snap.background_prefill is not None:
+            bg = snap.background_prefill
+            yield counter("background_prefill_jobs", "Idle-time prefills started (the next "
+                          "turn's history where the chat template rewrites it).", bg.started)
+            yield counter("background_prefill_yielded", "Idle-time prefills stopped for a "
+                          "request that arrived (their computed part stays cached).", bg.yielded)
+            yield counter("background_prefill_tokens", "Tokens idle-time prefills left in the "
+                          "cache, first in line for eviction.", bg.tokens)
+            yield gauge("background_prefill_pending", "Idle-time prefills queued or running.",
+                        bg.pending)
         if snap.tier is not None:
             yield from self._tier(snap, counter, gauge, label, value)
 
@@ -255,6 +270,14 @@ class ServerMetrics:
             PREFIX + "preamble_stripped", "Requests whose per-request preamble (such as "
             "Claude Code's billing header) was taken out before rendering, by preamble.",
             ["model_name", "preamble"], registry=reg)
+        self._rewrites = Counter(
+            PREFIX + "template_rewrites", "Chat turns whose next turn the chat template "
+            "renders otherwise than generated (reasoning dropped from the history).",
+            ["model_name"], registry=reg)
+        self._rewrite_tokens = Counter(
+            PREFIX + "template_rewrite_tokens", "Generated tokens after those rewrites: what "
+            "the next turns re-prefill without the next-turn prefill.", ["model_name"],
+            registry=reg)
         self._preamble_tokens = Counter(
             PREFIX + "preamble_stripped_tokens", "Tokens of the per-request preambles taken "
             "out, by preamble.", ["model_name", "preamble"], registry=reg)
@@ -274,6 +297,10 @@ class ServerMetrics:
                  "write_1h": usage.cache_write_1h_tokens, "uncached": usage.uncached_tokens}
         for kind, tokens in kinds.items():
             self._cache_usage.labels(self.model_name, api, kind).inc(tokens)
+
+    def template_rewrite(self, tokens: int) -> None:
+        self._rewrites.labels(self.model_name).inc()
+        self._rewrite_tokens.labels(self.model_name).inc(tokens)
 
     def preamble_stripped(self, preamble: str, tokens: int) -> None:
         self._preambles.labels(self.model_name, preamble).inc()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -17,12 +18,13 @@ from radixserve.server.exchange import Delta, handle
 from radixserve.server.openai.exchange import OpenAIExchange, stream_flags
 from radixserve.server.openai.protocol import (
     ChatCompletionRequest,
+    ChatMessage,
     chat_logprobs,
     finish_reason,
     refuse_unsupported,
 )
 from radixserve.server.preamble_strip import strip_chat_preamble
-from radixserve.server.prompts import render_chat
+from radixserve.server.prompts import message_dicts, render_chat, template_arguments
 from radixserve.server.reasoning import (
     NoReasoning,
     ReasoningFormat,
@@ -67,8 +69,9 @@ async def prepare_chat(ctx: ServerContext, request: Request, raw: bytes) -> Chat
     params = checked_sampling_params(ctx, body, prompt_ids, requested, "messages", structured)
     namespace = cache_namespace(ctx.settings, request.state.api_key, body.cache_salt)
     reading = call_reading(tools, choice, family, ctx.engine.grammars)
-    exchange = ChatExchange(ctx, model, flags, [Job(prompt_ids, params, namespace)], reading,
-                            ctx.reasoning_format(prompt_ids, structured is not None))
+    job = Job(prompt_ids, params, namespace, notes=ctx.next_turn.note_for(prompt_ids, namespace))
+    exchange = ChatExchange(ctx, model, flags, [job], reading,
+                            ctx.reasoning_format(prompt_ids, structured is not None), body)
     exchange.headers.update(clamp_headers(requested, [params.max_tokens]))
     return exchange
 
@@ -87,6 +90,9 @@ class _ChoiceStream:
     content_sent: int = 0  # of the answer, when there are no tools
 
 
+logger = logging.getLogger(__name__)
+
+
 class ChatExchange(OpenAIExchange):
     """The reasoning (`reasoning_content`, vLLM's and DeepSeek's field) is split from each
     choice first; the tool-call reader sees only the answer after it."""
@@ -97,8 +103,10 @@ class ChatExchange(OpenAIExchange):
 
     def __init__(self, ctx: ServerContext, model: str, flags: tuple[bool, bool],
                  jobs: list[Job], calls: CallReading | None = None,
-                 reasoning: ReasoningFormat | None = None) -> None:
+                 reasoning: ReasoningFormat | None = None,
+                 body: ChatCompletionRequest | None = None) -> None:
         super().__init__(ctx, model, flags, jobs)
+        self.body = body  # the request, for its next turn's rendering (`next_turn`)
         self.calls = calls  # how tool calls are read; None: the text is all content
         self.reasoning = reasoning or NoReasoning()
         self._plain = calls is None and isinstance(self.reasoning, NoReasoning)
@@ -131,6 +139,44 @@ class ChatExchange(OpenAIExchange):
                                          for i, call in enumerate(calls)]
         return {"index": sample.index, "message": message, "logprobs": logprobs,
                 "finish_reason": self._finish_reason(sample, bool(calls))}
+
+    def response_body(self, finals: list[RequestOutput]) -> dict[str, Any]:
+        self._turn_ended(finals)
+        return super().response_body(finals)
+
+    def closing_events(self, finals: list[RequestOutput]) -> list[bytes]:
+        self._turn_ended(finals)
+        return super().closing_events(finals)
+
+    def _turn_ended(self, finals: list[RequestOutput]) -> None:
+        """One reply that ended its turn: the next turn's history, as the template will render
+        it, goes to `next_turn` (off the event loop)."""
+        if self.body is None or len(finals) != 1 or len(finals[0].outputs) != 1:
+            return
+        sample = finals[0].outputs[0]
+        if sample.finish_reason != "stop":
+            return  # cut off: the client cannot send this turn back as generated
+        reply = {k: v for k, v in self.choice(0, sample)["message"].items()
+                 if k in ("role", "content", "tool_calls")}
+        self.ctx.next_turn.spawn(self._analyse([*self.body.messages, ChatMessage(**reply)],
+                                               [*finals[0].prompt_token_ids, *sample.token_ids]))
+
+    async def _analyse(self, messages: list[ChatMessage], generated: list[int]) -> None:
+        assert self.body is not None
+        tokenizer = self.ctx.tokenizer
+        template = tokenizer.chat_template or ""
+        tools = self.body.tools if self.body.tools and "tools" in template else None
+        try:
+            dicts = message_dicts(messages, self.body.tools, template)
+            extra = template_arguments(template, self.body.chat_template_kwargs)
+            history, rewrite = await asyncio.to_thread(self.ctx.next_turn.analyse, tokenizer,
+                                                       dicts, tools, extra, generated)
+        except Exception:  # the reply renders oddly: the next request is served as ever
+            logger.debug("next turn not rendered", exc_info=True)
+            return
+        if rewrite is not None:
+            self.ctx.next_turn.record(history, rewrite, self.jobs[0].namespace)
+            self.ctx.metrics.template_rewrite(rewrite.tokens)
 
     def reasoning_tokens(self, finals: list[RequestOutput]) -> int:
         decode = self.ctx.tokenizer.decode
