@@ -12,9 +12,13 @@ Scenarios (--scenario, repeatable; default all):
 - kv-events: a single server publishing KV events; one subscriber follows throughout, another
   is closed mid-run (its sockets dropped) and reopened. Once idle, both indexes must agree:
   the replay socket resynchronises the dropped one.
+- drain: a single server with --drain-streams streams in flight gets SIGTERM: every stream must
+  end complete, a request sent after the signal must get 503 with retry-after, and the
+  process must exit 0.
 
     python benchmarks/chaos.py --seconds 40 --out results/chaos.json
     python benchmarks/chaos.py --scenario disk-tier --scenario kv-events
+    python benchmarks/chaos.py --scenario drain --drain-streams 16
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from radixserve.kv_events import BlockIndex, KVEventSubscriber
 from radixserve.testing.server import free_port, start_server, wait_idle
 
 MODEL = "SmolLM2-135M-Instruct"
-SCENARIOS = ("replica-kill", "replica-term", "disk-tier", "kv-events")
+SCENARIOS = ("replica-kill", "replica-term", "disk-tier", "kv-events", "drain")
 
 
 @dataclass
@@ -238,6 +242,50 @@ def kv_events(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         proc.stop()
 
 
+def drain(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    proc = start_server(["--kv-cache-tokens", "16384", "--num-threads", "2", "--no-access-log",
+                         "--max-num-seqs", str(max(args.drain_streams, 16)),
+                         "--shutdown-timeout", "120"], tmp / "server.log")
+    tokens = 64
+    started = threading.Barrier(args.drain_streams + 1)
+
+    def stream(i: int) -> dict[str, Any]:
+        body = {"model": MODEL, "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True},
+                "messages": [{"role": "user", "content": f"Story number {i}, please."}]}
+        usage, error, first = None, False, False
+        with httpx.stream("POST", proc.base_url + "/v1/chat/completions", json=body,
+                          timeout=args.client_timeout, trust_env=False) as response:
+            for line in response.iter_lines():
+                if not first and line.startswith("data: {"):
+                    first = True
+                    started.wait()
+                if line.startswith('data: {"error"'):
+                    error = True
+                elif line.startswith("data: {") and '"usage":{' in line.replace(" ", ""):
+                    usage = json.loads(line[6:]).get("usage") or usage
+            return {"status": response.status_code, "error_event": error,
+                    "completion_tokens": (usage or {}).get("completion_tokens")}
+
+    with concurrent.futures.ThreadPoolExecutor(args.drain_streams) as pool:
+        futures = [pool.submit(stream, i) for i in range(args.drain_streams)]
+        started.wait(timeout=args.client_timeout)  # every stream has its first token
+        signalled = time.monotonic()
+        proc.process.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        late = httpx.post(proc.base_url + "/v1/chat/completions", timeout=30, trust_env=False,
+                          json={"model": MODEL, "max_tokens": 2,
+                                "messages": [{"role": "user", "content": "late"}]})
+        results = [f.result(timeout=args.client_timeout) for f in futures]
+    exit_status = proc.process.wait(timeout=180)
+    return {"streams": len(results),
+            "complete": sum(r["status"] == 200 and not r["error_event"]
+                            and r["completion_tokens"] == tokens for r in results),
+            "late_request_status": late.status_code,
+            "late_request_retry_after": late.headers.get("retry-after"),
+            "exit_status": exit_status, "exit_after_signal_s": time.monotonic() - signalled}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -245,6 +293,7 @@ def main() -> int:
     p.add_argument("--seconds", type=float, default=40.0, help="load per scenario")
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--client-timeout", type=float, default=120.0)
+    p.add_argument("--drain-streams", type=int, default=16)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     report: dict[str, Any] = {"command": " ".join(sys.argv)}
@@ -257,6 +306,8 @@ def main() -> int:
                 report[scenario] = replica_fault(args, Path(tmp), signal.SIGTERM)
             elif scenario == "disk-tier":
                 report[scenario] = disk_tier(args, Path(tmp))
+            elif scenario == "drain":
+                report[scenario] = drain(args, Path(tmp))
             else:
                 report[scenario] = kv_events(args, Path(tmp))
         print(json.dumps(report[scenario], indent=2), file=sys.stderr)

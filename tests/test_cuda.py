@@ -127,14 +127,19 @@ def _greedy(llm: LLM, prompts: list[list[int]], tokens: int = 8) -> list[list[in
     return [r.outputs[0].token_ids for r in results]
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_family_on_cuda(family: str, tmp_path: Path, tokenizer_source: Path) -> None:
+def _checkpoint(family: str, folder: Path, tokenizer_source: Path
+                ) -> tuple[torch.nn.Module, Path]:
     build, norm_centre = FAMILIES[family]
     torch.manual_seed(0)
     hf = build()
     perturb_norms(hf, norm_centre, 0.3)
     hf = hf.float().eval()
-    directory = save_checkpoint(hf, tmp_path / "hf", tokenizer_source)
+    return hf, save_checkpoint(hf, folder / "hf", tokenizer_source)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_on_cuda(family: str, tmp_path: Path, tokenizer_source: Path) -> None:
+    hf, directory = _checkpoint(family, tmp_path, tokenizer_source)
     hf = hf.to("cuda")
 
     prompts = LONG_PROMPTS if family == "phi3" else PROMPTS
@@ -169,3 +174,30 @@ def test_family_on_cuda(family: str, tmp_path: Path, tokenizer_source: Path) -> 
              for x, y in zip(float32, bf16, strict=True)]
     print(f"{family}: float32 logit gaps {gaps}; bfloat16 greedy agrees for {agree} of 16")
     assert max(agree) >= 1, agree  # bfloat16 runs and picks the same first token somewhere
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gpt_oss"])
+def test_window_group_on_cuda(family: str, tmp_path: Path, tokenizer_source: Path) -> None:
+    # The mixed workload's shared system prompt is far longer than the window (16): its hits
+    # resume past the window, where the window group has freed the local layers' older KV.
+    _, directory = _checkpoint(family, tmp_path, tokenizer_source)
+    runs = []
+    for memory in ("full", "window"):
+        llm = _engine(directory, swa_memory=memory, max_num_batched_tokens=16)
+        runs.append(run_rounds(llm, mixed_workload(llm)))
+        assert llm.engine.scheduler.counters.prefix_cache_hits > 0
+    assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_speculation_on_cuda(family: str, tmp_path: Path, tokenizer_source: Path) -> None:
+    _, directory = _checkpoint(family, tmp_path, tokenizer_source)
+    # Prompts that repeat themselves, so that the n-gram drafter has something to propose.
+    prompts = [(p[:12] * 6)[:60] for p in PROMPTS]
+    plain = _greedy(_engine(directory), prompts, 24)
+    llm = _engine(directory, speculative="ngram")
+    assert _greedy(llm, prompts, 24) == plain
+    counters = llm.engine.speculation.counters
+    print(f"{family}: speculation drafted {counters.draft_tokens}, accepted "
+          f"{counters.accepted_tokens}")
+    assert counters.drafts > 0
