@@ -348,12 +348,13 @@ def _agent_flags(agents: argparse._ArgumentGroup) -> None:
     agents.add_argument("--preamble-pattern", action="append", default=None, metavar="REGEX",
                         help="also strip a first system line matching REGEX (repeatable)")
     agents.add_argument("--next-turn-prefill", action=argparse.BooleanOptionalAction,
-                        default=True,
+                        default=None,
                         help="when a chat turn ends and the chat template will render it "
                              "otherwise next turn (reasoning dropped from the history), "
                              "prefill that history while the engine is idle, evicted first and "
                              "yielding to any request, so the next turn hits the cache "
-                             "(radix cache only)")
+                             "(default: on where it applies, one server on the radix cache; asked for "
+                             "elsewhere, it is refused)")
     agents.add_argument("--max-tokens-policy", choices=MAX_TOKENS_POLICIES, default="refuse",
                         help="a request whose prompt plus max_tokens exceeds the context: "
                              "refuse (400, as Anthropic and vLLM do) or clamp max_tokens to "
@@ -380,7 +381,8 @@ def settings_from_flags(args: argparse.Namespace) -> ServerSettings:
         max_queue_wait_s=args.max_queue_wait, request_timeout_s=args.request_timeout,
         ready_timeout_s=args.ready_timeout, watchdog_stall_s=args.watchdog_stall,
         watchdog_exit_s=args.watchdog_exit,
-        preamble_patterns=tuple(args.preamble_pattern or ()))
+        preamble_patterns=tuple(args.preamble_pattern or ()),
+        next_turn_prefill=args.next_turn_prefill is not False)
 
 
 def engine_config_from_flags(args: argparse.Namespace) -> EngineConfig:
@@ -467,6 +469,9 @@ def _load(args: argparse.Namespace) -> tuple[ServerSettings, AsyncEngine]:
     # Clock control swaps the engine's clock for one a test can move forward.
     clock = OffsetClock() if settings.enable_clock_control else time.monotonic
     try:
+        if args.next_turn_prefill and config.prefix_cache != "radix":
+            raise StartupError("--next-turn-prefill keeps its prefill in the radix tree; it "
+                               "needs --prefix-cache radix", 2)
         background = settings.next_turn_prefill and config.prefix_cache == "radix"
         return settings, AsyncEngine(lambda: LLMEngine(config, clock=clock),
                                      background_prefill=background)

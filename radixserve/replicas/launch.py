@@ -99,6 +99,9 @@ def check_flags(args: argparse.Namespace) -> None:
     if args.enable_clock_control:
         raise ValueError("--enable-clock-control moves one engine's clock; it is not "
                          "available with --replicas")
+    if args.next_turn_prefill:
+        raise ValueError("--next-turn-prefill runs beside one engine; it is not available "
+                         "with --replicas yet")
     if args.router == "prefix" and args.prefix_cache != "radix":
         raise ValueError("--router prefix follows the replicas' radix trees; it needs "
                          "--prefix-cache radix (or choose --router pow2 / round-robin)")
