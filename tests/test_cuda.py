@@ -20,7 +20,12 @@ import pytest
 import torch
 
 from radixserve import LLM, SamplingParams
-from tests.support.families import perturb_norms, random_prompts, save_checkpoint
+from tests.support.families import (
+    cache_and_chunking_runs,
+    perturb_norms,
+    random_prompts,
+    save_checkpoint,
+)
 from tests.support.workloads import mixed_workload, run_rounds
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(),
@@ -159,14 +164,8 @@ def test_family_on_cuda(family: str, tmp_path: Path, tokenizer_source: Path) -> 
         logits = hf(torch.tensor([prompt + got[:-1]], device="cuda")).logits[0, len(prompt) - 1:]
     assert got == logits.argmax(dim=-1).tolist()
 
-    runs, hits = [], []
-    for settings in (dict(prefix_cache="radix", max_num_batched_tokens=16),
-                     dict(prefix_cache="off")):
-        engine = _engine(directory, **settings)
-        runs.append(run_rounds(engine, mixed_workload(engine)))
-        hits.append(engine.engine.scheduler.counters.prefix_cache_hits)
-    assert hits[0] > 0 and hits[1] == 0, hits
-    assert runs[0] == runs[1]
+    cached_and_chunked, plain = cache_and_chunking_runs(directory, device="cuda")
+    assert cached_and_chunked == plain
 
     float32 = _greedy(llm, prompts, 16)
     bf16 = _greedy(_engine(directory, dtype="bfloat16"), prompts, 16)

@@ -191,14 +191,16 @@ def quantized_gaps(quantized: LLM, reference: LLM, prompts: list[list[int]]) -> 
     return gaps
 
 
-def cache_and_chunking_runs(source: Path) -> tuple[list[list[int]], list[list[int]]]:
+def cache_and_chunking_runs(source: Path, **engine: Any
+                            ) -> tuple[list[list[int]], list[list[int]]]:
     """Greedy tokens of a mixed workload (shared prefixes, multi-turn, branches) with the
     radix cache and 16-token prefill chunks, and with no cache in one chunk: they must be
-    equal exactly (a wrong cached K/V or a chunk boundary that changed a bit would show)."""
+    equal exactly (a wrong cached K/V or a chunk boundary that changed a bit would show).
+    `engine`: further settings of both engines (e.g. the device)."""
     runs, hits = [], []
     for settings in (dict(prefix_cache="radix", max_num_batched_tokens=16),
                      dict(prefix_cache="off")):
-        llm = fresh_llm(source, **settings)
+        llm = fresh_llm(source, **engine, **settings)
         runs.append(run_rounds(llm, mixed_workload(llm)))
         hits.append(llm.engine.scheduler.counters.prefix_cache_hits)
         stats = llm.pool_stats()
