@@ -5,12 +5,14 @@ them live in tests/support."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import openai
 import pytest
 import torch
+from hypothesis import settings
 
 from radixserve.bench.textgen import WordBank
 from radixserve.model.default_model import default_model_path
@@ -22,6 +24,12 @@ from tests.support.servers import openai_client, running_server
 
 # Two cores: more threads than cores makes torch's OpenMP workers spin against each other.
 torch.set_num_threads(2)
+
+# Property tests draw the same examples on every run, so a CI failure replays here; set
+# HYPOTHESIS_PROFILE=explore to draw fresh examples (and keep the failures hypothesis finds).
+settings.register_profile("repeatable", derandomize=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repeatable"))
 
 
 @pytest.fixture(scope="session")

@@ -158,7 +158,17 @@ def test_speculation_never_publishes_an_unverified_token(checkpoint):
 
     run_state_machine_as_test(Machine, settings=settings(
         max_examples=12, stateful_step_count=30, deadline=None))
+    # The drawn moves need not overfill the pool, so one fixed round does: every prompt twice
+    # at once (eight requests of ~40 tokens plus drafts in 96 slots) must preempt.
+    preempted_before = engine.scheduler.counters.preemptions
+    machine = Machine()
+    for which in list(range(len(prompts))) * 2:
+        machine.add(which)
+    while machine.live:
+        machine.step()
+        machine.books_balance_and_the_tree_holds_verified_tokens()
+    machine.teardown()
     counters = engine.speculation.counters
     # The moves really happened: drafts kept and drafts rejected, requests preempted.
     assert 0 < counters.accepted_tokens < counters.draft_tokens
-    assert engine.scheduler.counters.preemptions > 0
+    assert engine.scheduler.counters.preemptions > preempted_before
