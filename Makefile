@@ -25,8 +25,11 @@ model-gemma3: $(STAMP)
 serve: model
 	$(PY) -m radixserve.cli serve $(ARGS)
 
+# Two workers, each taking whole modules (one model load or server per module, as written):
+# much of the suite waits on server processes and Ray, so two overlap on two cores.
+TEST_WORKERS ?= 2
 test: model model-gemma3 browser claude-code
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(ARGS)
 
 # The modules that need neither the default model nor a server process (markers in pyproject.toml).
 test-fast: $(STAMP)

@@ -169,7 +169,7 @@ def replica_fault(args: argparse.Namespace, tmp: Path, sig: int) -> dict[str, An
         time.sleep(args.seconds / 2)
         share_before = _cached_share(proc.base_url, load.prefixes[0])
         victim = _replicas(proc.base_url)[0]
-        fault_at = time.monotonic()
+        fault_at, fault_wall = time.monotonic(), time.time()
         os.kill(victim["pid"], sig)
         serving_s = _until(lambda: _chat_ok(proc.base_url), 60)
         restored_s = _until(lambda: len(_replicas(proc.base_url)) == 2
@@ -178,7 +178,8 @@ def replica_fault(args: argparse.Namespace, tmp: Path, sig: int) -> dict[str, An
         time.sleep(args.seconds / 2)
         results = load.stop()
         share_after = _cached_share(proc.base_url, load.prefixes[0])
-        return {**_summary(results, fault_at), "answers_new_requests_after_s": serving_s,
+        return {**_summary(results, fault_at), "fault_at_unix": fault_wall,
+                "answers_new_requests_after_s": serving_s,
                 "two_replicas_again_after_s": restored_s,
                 "cached_share_before": share_before, "cached_share_after": share_after,
                 "server_alive": proc.process.poll() is None}
@@ -295,6 +296,8 @@ def main() -> int:
     p.add_argument("--client-timeout", type=float, default=120.0)
     p.add_argument("--drain-streams", type=int, default=16)
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--log-dir", type=Path, default=None,
+                   help="keep each scenario's server log here (<scenario>.log)")
     args = p.parse_args()
     report: dict[str, Any] = {"command": " ".join(sys.argv)}
     for scenario in args.scenario or SCENARIOS:
@@ -310,6 +313,9 @@ def main() -> int:
                 report[scenario] = drain(args, Path(tmp))
             else:
                 report[scenario] = kv_events(args, Path(tmp))
+            if args.log_dir:  # the server's log, to read beside the figures
+                args.log_dir.mkdir(parents=True, exist_ok=True)
+                shutil.copy(Path(tmp) / "server.log", args.log_dir / f"{scenario}.log")
         print(json.dumps(report[scenario], indent=2), file=sys.stderr)
     print(json.dumps(report, indent=2))
     if args.out:

@@ -240,6 +240,11 @@ def summarize(base: list[Outcome], outcomes: list[Outcome], rss: list[tuple[floa
         "refusal_latency_s": {"p50": _pct([o.latency_s for o in refused], 0.5),
                               "p99": _pct([o.latency_s for o in refused], 0.99),
                               "max": max((o.latency_s for o in refused), default=None)},
+        "refusals_over_50ms": sum(1 for o in refused if o.latency_s > 0.05),
+        # When (seconds into the soak) the slowest refusals were sent, to set beside the
+        # server's log and RSS series.
+        "slowest_refusals": [{"at_s": o.started - outcomes[0].started, "latency_s": o.latency_s}
+                             for o in sorted(refused, key=lambda o: -o.latency_s)[:10]],
         "refusals_without_retry_after": sum(1 for o in refused if not o.retry_after),
         "ttft_unloaded_s": {"p50": _pct(base_ttft, 0.5), "p99": _pct(base_ttft, 0.99)},
         "ttft_admitted_s": {"p50": _pct(ttft, 0.5), "p99": _pct(ttft, 0.99)},

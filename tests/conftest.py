@@ -32,6 +32,15 @@ settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repeatable"))
 
 
+# `make test` runs two xdist workers, each taking whole modules in collection order: the
+# longest modules go first so that neither worker is left with one at the end.
+LONGEST_FIRST = ("test_replicas.py", "test_gemma3_270m.py", "test_claude_code_full_prompt.py",
+                 "test_claude_code.py", "test_replicas_responses.py", "test_parity_hf.py",
+                 "test_prefix_cache_engine.py", "test_server_overload.py",
+                 "test_family_suite.py", "test_server_kv_tier.py", "test_server_openai.py")
+
+
+
 @pytest.fixture(scope="session")
 def model_path() -> Path:
     return default_model_path()
@@ -72,9 +81,11 @@ def client(server: ServerProcess) -> Iterator[openai.OpenAI]:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """A test that reaches the default model through a fixture must say so (`model` marker), or
-    `make test-fast` would fetch and load it."""
+    `make test-fast` would fetch and load it. Then the longest modules go first."""
     unmarked = [item.nodeid for item in items
                 if "model_path" in getattr(item, "fixturenames", ())
                 and item.get_closest_marker("model") is None]
     if unmarked:
         raise pytest.UsageError("needs the model but is not marked `model`: " + ", ".join(unmarked))
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: order kept within
