@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import random
 import shlex
@@ -196,6 +197,20 @@ async def soak(http: httpx.AsyncClient, traffic: Traffic, rng: random.Random, ra
     return list(outcomes)
 
 
+class ClientPauses:
+    """The longest garbage-collector pause this client took (a gc callback)."""
+
+    def __init__(self) -> None:
+        self.longest_s = 0.0
+        self._started = 0.0
+
+    def on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.longest_s = max(self.longest_s, time.perf_counter() - self._started)
+
+
 def _pct(values: list[float], q: float) -> float | None:
     if not values:
         return None
@@ -260,6 +275,13 @@ async def run(args: argparse.Namespace, proc: ServerProcess) -> dict[str, Any]:
     tokenizer = load_tokenizer(default_model_path())
     rng = random.Random(args.seed)
     traffic = Traffic(WordBank.from_tokenizer(tokenizer), rng, args.context_tokens)
+    # The client's own pauses land in the latencies it measures: its set-up heap (the
+    # tokenizer, imports) is frozen out of the collector's full passes, as the server's is, and
+    # the longest pause it still took is reported beside the figures.
+    gc.collect()
+    gc.freeze()
+    pauses = ClientPauses()
+    gc.callbacks.append(pauses.on_gc)
     limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
     async with httpx.AsyncClient(base_url=proc.base_url, timeout=args.client_timeout,
                                  limits=limits, trust_env=False) as http:
@@ -283,6 +305,7 @@ async def run(args: argparse.Namespace, proc: ServerProcess) -> dict[str, Any]:
     summary = summarize(base, outcomes, rss, rps, rate, pool)
     summary["pool_idle"] = (metrics["kv_cache_tokens{state=private}"] == 0
                             and metrics["kv_cache_tokens{state=protected}"] == 0)
+    summary["client_gc_longest_pause_s"] = pauses.longest_s
     summary["rss_series_mb"] = rss
     summary["pool_high_water_tokens"] = {"first": pool_used[0][1] if pool_used else None,
                                          "second_half_start": (pool_used[len(pool_used) // 2][1]

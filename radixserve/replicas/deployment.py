@@ -15,6 +15,7 @@ from radixserve.engine.async_engine import AsyncEngine
 from radixserve.engine.engine import LLMEngine
 from radixserve.outputs import RequestOutput
 from radixserve.replicas.job import ReplicaFacts, ReplicaJob
+from radixserve.server.heap import freeze_warm_heap
 from radixserve.server.observability.metrics import take_snapshot
 from radixserve.server.settings import ServerSettings
 
@@ -41,8 +42,9 @@ class EngineReplica:
         publisher = self.engine.kv_events
         self.events_endpoint = publisher.endpoint if publisher else None
         self.replay_endpoint = publisher.replay_endpoint if publisher else None
-        logger.info("replica %s: KV events on %s (replay %s)", self.replica_id,
-                    self.events_endpoint, self.replay_endpoint)
+        logger.info("replica %s: KV events on %s (replay %s); %d objects frozen",
+                    self.replica_id, self.events_endpoint, self.replay_endpoint,
+                    freeze_warm_heap())  # the engine is loaded: see `server.heap`
 
     @property
     def engine(self) -> LLMEngine:

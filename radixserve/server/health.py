@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, Response
 from radixserve.engine.async_engine import EngineDeadError
 from radixserve.sampling_params import SamplingParams
 from radixserve.server.context import ServerContext, context_of
+from radixserve.server.heap import freeze_warm_heap
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +58,9 @@ class Readiness:
             return
         seconds = time.monotonic() - started
         ctx.service.admission.rate.calibrate(len(ids), seconds)
-        logger.info("warm-up: %d-token prefill in %.2f s (%.0f tokens/s); ready", len(ids),
-                    seconds, len(ids) / max(seconds, 1e-6))
+        frozen = freeze_warm_heap()
+        logger.info("warm-up: %d-token prefill in %.2f s (%.0f tokens/s); %d objects frozen; "
+                    "ready", len(ids), seconds, len(ids) / max(seconds, 1e-6), frozen)
         self.warmed = True
 
     async def probe(self, ctx: ServerContext, timeout_s: float) -> bool:

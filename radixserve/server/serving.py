@@ -30,6 +30,7 @@ from radixserve.server.admission import (
 from radixserve.server.auth import CacheNamespace
 from radixserve.server.errors import APIError, bad_request
 from radixserve.server.front import EngineFront
+from radixserve.server.heap import FrozenHeapCollector
 from radixserve.server.observability.metrics import ServerMetrics
 from radixserve.server.settings import ServerSettings
 
@@ -231,6 +232,7 @@ class EngineService:
         # Accepted requests without a first token yet: the waiting queue as clients feel it.
         self.admission = Admission(AdmissionLimits.of(settings))
         metrics.registry.register(AdmissionCollector(self.admission, settings.model_name))
+        metrics.registry.register(FrozenHeapCollector())
         self.last_output_at = 0.0  # monotonic time of the latest output to any client
         # Accounting for jobs that bring none (the OpenAI routes); set by the app.
         self.default_usage: Callable[[Job], UsageObserver] | None = None
