@@ -28,6 +28,7 @@ import concurrent.futures
 import json
 import os
 import random
+import shlex
 import shutil
 import signal
 import sys
@@ -163,7 +164,8 @@ def _replicas(base_url: str) -> list[dict[str, Any]]:
 
 def replica_fault(args: argparse.Namespace, tmp: Path, sig: int) -> dict[str, Any]:
     proc = start_server(["--replicas", "2", "--cpus-per-replica", "0.5", "--num-threads", "1",
-                         "--kv-cache-tokens", "8192", "--no-access-log"], tmp / "server.log")
+                         "--kv-cache-tokens", "8192", "--no-access-log",
+                         *shlex.split(args.replica_flags)], tmp / "server.log")
     try:
         load = Load(proc.base_url, args.concurrency, args.client_timeout)
         time.sleep(args.seconds / 2)
@@ -295,6 +297,8 @@ def main() -> int:
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--client-timeout", type=float, default=120.0)
     p.add_argument("--drain-streams", type=int, default=16)
+    p.add_argument("--replica-flags", default="",
+                   help="more `radixserve serve` flags for the replica scenarios")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--log-dir", type=Path, default=None,
                    help="keep each scenario's server log here (<scenario>.log)")

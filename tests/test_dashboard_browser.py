@@ -1,7 +1,7 @@
 """The dashboard in a real browser: Playwright drives Debian's chromium (never a downloaded
 browser) against a real server with an API key. The page asks for the key, then its hit-rate
-figure, pool chart and tree view must come to match /v1/cache/stats after traffic sent through
-the openai SDK, and a prompt holding `<script>` must show as text."""
+figure, pool chart, tree view and speculation figure must come to match /v1/cache/stats after
+traffic sent through the openai SDK, and a prompt holding `<script>` must show as text."""
 
 from __future__ import annotations
 
@@ -41,6 +41,7 @@ SHARED = ("You are the support assistant of a small bakery. Answer in one short 
           "Mondays. ") * 3
 QUESTIONS = ["When do you open?", "Do you sell rye?", "Are you open on Monday?",
              "What bread do you have?"]
+REPEAT = "Repeat exactly: one two three four, one two three four, one two three four."
 POOL_STATES = ("free", "evictable", "protected", "pinned", "private")
 # The page polls once a second; a figure gets a few polls to catch up with the endpoint.
 CATCH_UP_MS = 5000
@@ -49,7 +50,7 @@ CATCH_UP_MS = 5000
 @pytest.fixture(scope="module")
 def server(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     with running_server(tmp_path_factory, "--api-key", KEY, "--kv-cache-tokens", "2048",
-                        "--served-model-name", "radixserve") as proc:
+                        "--served-model-name", "radixserve", "--speculative", "ngram") as proc:
         yield proc
 
 
@@ -187,6 +188,18 @@ def test_dashboard_follows_the_stats_endpoint(server: ServerProcess, page: Any, 
         page.get_by_role("button", name="1 h").click()
         sync_api.expect(page.get_by_test_id("hit-rate-chart")).to_have_attribute(
             "data-points", str(len(stats(server, "1h")["series"]["t"])))
+
+        # Speculation: a reply that repeats its prompt drafts from it; the figure follows.
+        with openai.OpenAI(base_url=server.base_url + "/v1", api_key=KEY, max_retries=0,
+                           timeout=120) as client:
+            client.chat.completions.create(model="radixserve", max_tokens=24, temperature=0,
+                                           messages=[{"role": "user", "content": REPEAT}])
+        wait_idle(server.base_url)
+        spec = stats(server)["speculation"]
+        assert spec["mode"] == "ngram" and spec["draft_tokens"] > 0, spec
+        wait_for_value(page, "spec-drafted", spec["draft_tokens"])
+        wait_for_value(page, "spec-acceptance", spec["acceptance_rate"])
+        sync_api.expect(page.get_by_test_id("spec-mode")).to_contain_text("ngram")
     finally:
         page.screenshot(path=str(shot), full_page=True)
         with capsys.disabled():

@@ -236,3 +236,10 @@ def test_the_same_pool_bytes_hold_more_contexts(gemma3):
     windowed = LLM(str(gemma3), swa_memory="window", **settings)
     assert (full.engine.pool.num_slots, windowed.engine.pool.num_slots) == (600, 1600)
     assert (_most_running(full, prompts), _most_running(windowed, prompts)) == (3, 8)
+
+
+def test_window_mode_is_refused_on_a_model_without_window_layers(model_path):
+    # The default model (Llama-shaped) has no sliding-window layers: asked for by name, the
+    # mode is refused rather than quietly run as full KV.
+    with pytest.raises(ValueError, match="no sliding-window layers"):
+        LLM(str(model_path), swa_memory="window", show_progress=False)

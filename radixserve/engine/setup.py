@@ -114,10 +114,13 @@ def kv_pool_shape(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) 
     if config.swa_memory == "full":
         return PoolShape(kv_pool_pages(config, model, dtype))
     if not local or len(local) == model.num_layers:
-        logger.info("swa_memory=window: %s has %s, so every layer keeps its whole context",
-                    model.architecture, "no sliding-window layers" if not local
-                    else "no full-attention layer to name the cached tokens")
-        return PoolShape(kv_pool_pages(config, model, dtype))
+        # Asked for by name (the default is "full"), so it is refused rather than ignored.
+        raise ValueError(
+            f"swa_memory='window' needs a model that mixes sliding-window and full-attention "
+            f"layers; {model.architecture} has "
+            + ("no sliding-window layers" if not local
+               else "no full-attention layer to name the cached tokens")
+            + ": use swa_memory='full'")
     ratio = config.swa_pool_ratio
     layer_bytes = 2 * model.num_kv_heads * model.head_dim * dtype.itemsize
     full_layers = model.num_layers - len(local)

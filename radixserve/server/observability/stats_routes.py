@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from radixserve.cache.base import Namespace, TreeSummary
 from radixserve.engine.async_engine import EngineDeadError
 from radixserve.engine.engine import LLMEngine
+from radixserve.engine.speculative.stats import SpeculationCounters
 from radixserve.provider_caching import profile_for_model
 from radixserve.server.auth import CacheNamespace, authenticate, cache_namespace
 from radixserve.server.context import ServerContext, context_of
@@ -52,7 +53,7 @@ async def cache_stats(request: Request, window: str = "5m") -> dict[str, Any]:
         raise bad_request(f"window must be one of {', '.join(WINDOWS)}", param="window")
     book: CacheStatsBook = request.app.state.cache_stats
     mine = _tenant_filter(ctx, api_key)
-    snapshot, tree = await _engine_view(ctx, mine)
+    snapshot, tree, speculative = await _engine_view(ctx, mine)
     now = book.clock()
     pool = snapshot.pool
     money = book.money
@@ -73,6 +74,7 @@ async def cache_stats(request: Request, window: str = "5m") -> dict[str, Any]:
                     for ns, tally in sorted(book.tenants.items(),
                                             key=lambda item: -item[1].prompt_tokens)
                     if mine is None or mine(ns)],
+        "speculation": _speculation(speculative, snapshot.speculation),
         "tree": _tree(ctx, tree),
         "recent": [{"id": r.request_id, "api": r.api, "at": r.at, "prompt_tokens": r.prompt_tokens,
                     "cached_tokens": r.cached_tokens, "ttft_s": r.ttft_s, "cost_usd": r.cost_usd,
@@ -99,12 +101,13 @@ def _request_namespace(namespace: Namespace) -> CacheNamespace:
 
 async def _engine_view(
     ctx: ServerContext, mine: TenantFilter | None
-) -> tuple[EngineSnapshot, TreeSummary]:
+) -> tuple[EngineSnapshot, TreeSummary, str]:
+    """The engine's snapshot, its tree summary and its speculation mode (`--speculative`)."""
     visible = None if mine is None else (lambda ns: mine(_request_namespace(ns)))
 
-    def view(engine: LLMEngine) -> tuple[EngineSnapshot, TreeSummary]:
+    def view(engine: LLMEngine) -> tuple[EngineSnapshot, TreeSummary, str]:
         tree = engine.cache.top_prefixes(TREE_NODES_SHOWN, TREE_NODES_VISITED, visible)
-        return take_snapshot(engine), tree
+        return take_snapshot(engine), tree, engine.config.speculative
 
     if ctx.replicas is not None:
         # The tree and the pool series are one engine's; the ingress has no per-replica channel
@@ -149,6 +152,15 @@ def _series(book: CacheStatsBook, window: str, now: float) -> dict[str, Any]:
         "pool": {state: [getattr(p, state) if p else None for p in pools]
                  for state in ("free", "evictable", "protected", "pinned", "private")},
     }
+
+
+def _speculation(mode: str, counters: SpeculationCounters) -> dict[str, Any]:
+    """Draft-and-verify since start (requests may speculate by `extra_body` whatever `mode`)."""
+    return {"mode": mode, "drafts": counters.drafts, "draft_tokens": counters.draft_tokens,
+            "accepted_tokens": counters.accepted_tokens,
+            "acceptance_rate": counters.acceptance_rate,
+            "mean_acceptance_length": counters.mean_acceptance_length,
+            "steps": counters.steps, "speculative_steps": counters.speculative_steps}
 
 
 def _tree(ctx: ServerContext, tree: TreeSummary) -> dict[str, Any]:

@@ -214,6 +214,14 @@
       ? pool.total - (pool.free ?? 0) - (pool.evictable ?? 0) : null;
     setFigure("pool-used", used, used == null || !pool.total ? "–" : fmtPct(used / pool.total));
     setFigure("pool-total", pool.total, fmtInt(pool.total));
+
+    // Speculative decoding: accepted / drafted tokens since start ("–" before any draft).
+    const spec = stats.speculation ?? {};
+    const accepted = spec.draft_tokens ? spec.acceptance_rate : null;
+    setFigure("spec-acceptance", accepted, fmtPct(accepted));
+    setFigure("spec-accepted", spec.accepted_tokens, fmtInt(spec.accepted_tokens));
+    setFigure("spec-drafted", spec.draft_tokens, fmtInt(spec.draft_tokens));
+    $("spec-mode").textContent = spec.mode ? `server default ${spec.mode}` : "–";
   }
 
   function renderCharts(stats) {
