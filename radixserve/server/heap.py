@@ -5,17 +5,12 @@ engine's objects: about 290,000 objects with the default model) stays alive to t
 collection walks every one of them, about 130 ms on an idle core and more under load, and while
 it runs the event loop answers nothing (a refusal that takes milliseconds waits) and the engine
 thread's Python stops. Frozen, a full pass walks only what requests have made since.
+/metrics reports the count (`observability.metrics.FrozenHeapCollector`).
 """
 
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterator
-
-from prometheus_client.core import GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
-
-PROMETHEUS_PREFIX = "radixserve:"  # as `observability.metrics`
 
 
 def freeze_warm_heap() -> int:
@@ -24,14 +19,3 @@ def freeze_warm_heap() -> int:
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
-
-
-class FrozenHeapCollector(Collector):
-    """The frozen objects' count for /metrics (0 before warm-up has run)."""
-
-    def collect(self) -> Iterator[Metric]:
-        family = GaugeMetricFamily(PROMETHEUS_PREFIX + "gc_frozen_objects",
-                                   "Objects alive at warm-up, left out of the garbage "
-                                   "collector's full passes.")
-        family.add_metric([], float(gc.get_freeze_count()))
-        yield family

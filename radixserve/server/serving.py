@@ -30,8 +30,7 @@ from radixserve.server.admission import (
 from radixserve.server.auth import CacheNamespace
 from radixserve.server.errors import APIError, bad_request
 from radixserve.server.front import EngineFront
-from radixserve.server.heap import FrozenHeapCollector
-from radixserve.server.observability.metrics import ServerMetrics
+from radixserve.server.observability.metrics import FrozenHeapCollector, ServerMetrics
 from radixserve.server.settings import ServerSettings
 
 logger = logging.getLogger(__name__)

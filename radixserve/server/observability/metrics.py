@@ -9,6 +9,7 @@ counters, pool occupancy) come from a snapshot taken on the engine thread betwee
 from __future__ import annotations
 
 import dataclasses
+import gc
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -97,6 +98,16 @@ def _speculation(spec: SpeculationCounters, counter: Callable[[str, str, float],
     yield counter("spec_decode_speculative_steps", "Of those, steps that verified at least "
                   "one draft.", spec.speculative_steps)
     yield counter("spec_decode_draft_seconds", "Time spent drafting.", spec.draft_seconds)
+
+
+class FrozenHeapCollector(Collector):
+    """Objects frozen out of the collector's full passes once warm (`server.heap`; 0 before)."""
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(PREFIX + "gc_frozen_objects", "Objects alive at warm-up, "
+                                   "left out of the garbage collector's full passes.")
+        family.add_metric([], float(gc.get_freeze_count()))
+        yield family
 
 
 class _EngineCollector(Collector):
