@@ -7,14 +7,16 @@ import pytest
 
 from radixserve.provider_caching import (
     BodyError,
+    VendorCache,
     breakpoint_token_offsets,
     chat_prompt,
     detect_format,
+    get_profile,
     render_prompt,
     render_request,
     validate_breakpoints,
 )
-from radixserve.provider_caching.layout import prefix_hashes
+from radixserve.provider_caching.layout import build_layout, prefix_hashes
 from radixserve.provider_caching.render import block_end_offsets, block_token_counts
 
 pytestmark = [pytest.mark.model]
@@ -186,6 +188,41 @@ def test_settings_change_hashes_from_the_tier_they_invalidate():
     assert a[:2] == b[:2]  # tools and system survive a tool_choice change
     assert a[2] != b[2]  # the messages tier does not
     assert prefix_hashes(base, namespace="other-model")[0] != a[0]
+
+
+@pytest.mark.parametrize("setting", [
+    {"output_config": {"effort": "low"}},
+    {"thinking": {"type": "enabled", "budget_tokens": 2048}},
+])
+def test_an_effort_or_thinking_change_prices_the_messages_as_a_miss(setting):
+    """Anthropic's invalidation table: thinking and effort changes break the messages cache
+    but keep tools and system."""
+    a = prefix_hashes(render_request(anthropic_body()))
+    b = prefix_hashes(render_request(anthropic_body(**setting)))
+    assert a[:2] == b[:2]
+    assert all(x != y for x, y in zip(a[2:], b[2:], strict=True))
+
+
+def test_a_reasoning_effort_change_is_a_whole_prefix_miss_on_openai():
+    """An open-weight template writes the effort at the head of the prompt (gpt-oss's
+    `Reasoning: high`): the emulation prices a change as a miss from the first token, even
+    where the same token ids came out of this model's template, and the same effort as a
+    hit."""
+    def usage(cache, effort):
+        body = {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}],
+                "chat_template_kwargs": {"reasoning_effort": effort}}
+        request = render_request(body, "openai")
+        assert [(s.name, s.invalidates) for s in request.settings] == [
+            ("chat_template_kwargs.reasoning_effort", "tools")]
+        ids = list(range(3000))  # the same rendered prompt either way
+        accounting = cache.start(build_layout(request, [], [], len(ids), token_ids=ids))
+        cache.first_token(accounting.request_id)
+        return accounting.usage.cache_read_tokens
+
+    cache = VendorCache(get_profile("openai"), lambda: 0.0)
+    assert usage(cache, "low") == 0
+    assert usage(cache, "low") == 2944  # whole 128-token increments of the same prompt
+    assert usage(cache, "high") == 0
 
 
 def test_breakpoint_offsets_in_a_character_template_end_after_the_block():
