@@ -11,7 +11,9 @@ Three phases against one `radixserve serve` (started here, two API keys):
 The mix: growing multi-turn conversations (reset near the context limit), prompts sharing a long
 system prompt, unique prompts, bad requests (400 expected), and streams the client drops after
 a random delay. Reports 5xx count, hangs (no answer within --client-timeout), the 429 share,
-refusal latency (p50/p99/max, and whether every refusal carried retry-after), p50/p99 TTFT of
+refusal latency (p50/p99/max, whether every refusal carried retry-after, and how many were over
+50 ms once this client's own stalls are taken out: its collector passes and event-loop lag are
+recorded as they happen, and set beside each slow refusal), p50/p99 TTFT of
 admitted requests against the unloaded figures (tenant B's too: the one not flooding), RSS over
 time with its slope over the second half (beside the KV pool's high-water mark: pool pages
 enter RSS as the cache first fills them, which a short soak still sees), and whether the KV
@@ -182,6 +184,9 @@ async def soak(http: httpx.AsyncClient, traffic: Traffic, rng: random.Random, ra
     next_sample = start
     while (now := time.monotonic()) < end:
         if now >= next_sample:
+            # What survived until now is frozen out of the collector's full passes, which
+            # would otherwise grow with the soak's own records and stall this client.
+            gc.freeze()
             rss.append((now - start, process.memory_info().rss / 2**20))
             # KV pool pages are touched (enter RSS) as the cache first fills them: the pool's
             # high-water mark says how much of an RSS rise is that rather than a leak.
@@ -198,17 +203,45 @@ async def soak(http: httpx.AsyncClient, traffic: Traffic, rng: random.Random, ra
 
 
 class ClientPauses:
-    """The longest garbage-collector pause this client took (a gc callback)."""
+    """This client's own stalls, which land in every latency it measures: garbage-collector
+    passes (a gc callback) and event-loop lag (a 5 ms ticker's lateness), each kept with when
+    it happened so that a slow refusal can be set beside them."""
 
     def __init__(self) -> None:
-        self.longest_s = 0.0
-        self._started = 0.0
+        self.longest_gc_s = 0.0
+        self._gc_started = 0.0
+        self.stalls: list[tuple[float, float]] = []  # (start, end), monotonic, >= 5 ms
 
     def on_gc(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start":
-            self._started = time.perf_counter()
-        else:
-            self.longest_s = max(self.longest_s, time.perf_counter() - self._started)
+            self._gc_started = time.monotonic()
+            return
+        end = time.monotonic()
+        self.longest_gc_s = max(self.longest_gc_s, end - self._gc_started)
+        if end - self._gc_started >= 0.005:
+            self.stalls.append((self._gc_started, end))
+
+    async def watch_loop(self, tick_s: float = 0.005) -> None:
+        while True:
+            before = time.monotonic()
+            await asyncio.sleep(tick_s)
+            late = time.monotonic() - before - tick_s
+            if late >= 0.005:
+                self.stalls.append((before + tick_s, before + tick_s + late))
+
+    def stalled_during(self, start: float, end: float) -> float:
+        """Seconds of [start, end] this client spent stalled (overlapping stalls, such as a
+        collector pass and the loop lag it caused, counted once)."""
+        spans = sorted((max(start, a), min(end, b)) for a, b in self.stalls if a < end and b > start)
+        total, reach = 0.0, start
+        for a, b in spans:
+            total += max(0.0, b - max(a, reach))
+            reach = max(reach, b)
+        return total
+
+    @property
+    def longest_stall_s(self) -> float:
+        return max((b - a for a, b in self.stalls), default=0.0)
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -230,7 +263,8 @@ def _slope(points: list[tuple[float, float]]) -> float:
 
 
 def summarize(base: list[Outcome], outcomes: list[Outcome], rss: list[tuple[float, float]],
-              capacity_rps: float, rate: float, pool: dict[str, float]) -> dict[str, Any]:
+              capacity_rps: float, rate: float, pool: dict[str, float],
+              pauses: ClientPauses) -> dict[str, Any]:
     admitted = [o for o in outcomes if o.ttft_s is not None]
     refused = [o for o in outcomes if o.status in (429, 503, 529)]
     half = rss[len(rss) // 2:]
@@ -256,9 +290,16 @@ def summarize(base: list[Outcome], outcomes: list[Outcome], rss: list[tuple[floa
                               "p99": _pct([o.latency_s for o in refused], 0.99),
                               "max": max((o.latency_s for o in refused), default=None)},
         "refusals_over_50ms": sum(1 for o in refused if o.latency_s > 0.05),
+        # A refusal's latency, less the time this client itself was stalled meanwhile (its
+        # own collector or event loop), is what the server took.
+        "refusals_over_50ms_less_client_stalls": sum(
+            1 for o in refused
+            if o.latency_s - pauses.stalled_during(o.started, o.started + o.latency_s) > 0.05),
         # When (seconds into the soak) the slowest refusals were sent, to set beside the
         # server's log and RSS series.
-        "slowest_refusals": [{"at_s": o.started - outcomes[0].started, "latency_s": o.latency_s}
+        "slowest_refusals": [{"at_s": o.started - outcomes[0].started, "latency_s": o.latency_s,
+                              "client_stalled_s": pauses.stalled_during(
+                                  o.started, o.started + o.latency_s)}
                              for o in sorted(refused, key=lambda o: -o.latency_s)[:10]],
         "refusals_without_retry_after": sum(1 for o in refused if not o.retry_after),
         "ttft_unloaded_s": {"p50": _pct(base_ttft, 0.5), "p99": _pct(base_ttft, 0.99)},
@@ -298,14 +339,17 @@ async def run(args: argparse.Namespace, proc: ServerProcess) -> dict[str, Any]:
               file=sys.stderr)
         rss: list[tuple[float, float]] = []
         pool_used: list[tuple[float, float]] = []
+        watcher = asyncio.ensure_future(pauses.watch_loop())
         outcomes = await soak(http, traffic, rng, rate, args.minutes * 60, args.flood_share,
                               args.client_timeout, proc.process.pid, rss, pool_used)
+        watcher.cancel()
     metrics = wait_idle(proc.base_url, timeout_s=120)
     pool = {k: v for k, v in read_metrics(proc.base_url).items() if k.startswith("kv_cache_tokens")}
-    summary = summarize(base, outcomes, rss, rps, rate, pool)
+    summary = summarize(base, outcomes, rss, rps, rate, pool, pauses)
     summary["pool_idle"] = (metrics["kv_cache_tokens{state=private}"] == 0
                             and metrics["kv_cache_tokens{state=protected}"] == 0)
-    summary["client_gc_longest_pause_s"] = pauses.longest_s
+    summary["client_gc_longest_pause_s"] = pauses.longest_gc_s
+    summary["client_longest_stall_s"] = pauses.longest_stall_s
     summary["rss_series_mb"] = rss
     summary["pool_high_water_tokens"] = {"first": pool_used[0][1] if pool_used else None,
                                          "second_half_start": (pool_used[len(pool_used) // 2][1]
