@@ -71,6 +71,11 @@ class EngineConfig:
     # lpm: a request that has waited this long is admitted in arrival order, cache-cold or not.
     lpm_max_wait_s: float = 2.0
     lpm_scan_limit: int = 128  # lpm sorts at most this many waiting requests per step
+    # A request whose uncached prompt is at most this many tokens is prefilled ahead of
+    # longer prompts still prefilling or waiting (within half of each step's token budget, so
+    # they keep moving): a short question is not queued behind seconds of someone else's
+    # long prefill. 0: arrival order.
+    short_prefill_tokens: int = 256
     # Waiting requests sharing an uncached prefix at least this long with a running prefill
     # wait one step for it instead of computing it again. None: DEDUP_MIN_TOKENS by device.
     dedup_min_tokens: int | None = None
@@ -163,6 +168,8 @@ class EngineConfig:
         need(self.kv_cache_memory_gb > 0, "kv_cache_memory_gb must be > 0")
         need(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
         need(self.max_num_batched_tokens >= 16, "max_num_batched_tokens must be >= 16")
+        need(self.short_prefill_tokens >= 0,
+             f"short_prefill_tokens must be >= 0 (0: off), got {self.short_prefill_tokens}")
         need(self.dedup_min_tokens is None or self.dedup_min_tokens >= 1,
              f"dedup_min_tokens must be >= 1 (or None: by device), got {self.dedup_min_tokens}")
         need(self.kv_offload_gb > 0, "kv_offload_gb must be > 0")

@@ -165,6 +165,12 @@ def _cache_flags(cache: argparse._ArgumentGroup) -> None:
                        help="most tokens computed in one step (longer prefills are chunked)")
     cache.add_argument("--schedule-policy", choices=SCHEDULE_POLICIES, default="fcfs",
                        help="fcfs: arrival order; lpm: longest cached prefix first, with aging")
+    cache.add_argument("--short-prefill-tokens", type=int,
+                       default=EngineConfig.short_prefill_tokens,
+                       help="a request with at most this many uncached prompt tokens is "
+                            "prefilled ahead of longer prompts (within half of each step's "
+                            "token budget), so that it is not queued behind their prefill; "
+                            "0: arrival order")
     cache.add_argument("--max-pinned-fraction", type=float, default=0.5,
                        help="most of the KV pool that cache_control TTL pins may hold; beyond "
                             "it the oldest pin yields first")

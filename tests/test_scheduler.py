@@ -168,3 +168,92 @@ def test_pins_protect_a_prefix_until_expiry():
     scheduler.add(_request("late", list(range(7000, 7200)), clock))  # needs the pinned pages
     _drain(scheduler)
     assert scheduler.cache.match_prefix(None, list(range(1000, 1100))).length < 100
+
+
+def _steps_until_first_token(scheduler: Scheduler, request: Request, limit: int = 100) -> int:
+    for steps in range(1, limit + 1):
+        step(scheduler)
+        if request.output_token_ids:
+            return steps
+    raise AssertionError(f"{request.request_id} had no token after {limit} steps")
+
+
+@pytest.mark.parametrize(("short_prefill_tokens", "most_steps"), [(256, 1), (0, None)])
+def test_a_short_request_is_not_queued_behind_a_long_prefill(short_prefill_tokens: int,
+                                                            most_steps: int | None) -> None:
+    scheduler, clock = _scheduler(pool_tokens=16384, max_num_batched_tokens=512,
+                                  short_prefill_tokens=short_prefill_tokens)
+    long = _request("long", list(range(1000, 5000)), clock)
+    scheduler.add(long)
+    step(scheduler)  # the long prompt's first chunk: 3,488 tokens (7 steps) still to go
+    short = _request("short", list(range(6000, 6030)), clock)
+    scheduler.add(short)
+    before = long.num_computed
+    steps = _steps_until_first_token(scheduler, short)
+    if most_steps is None:  # arrival order: after the whole long prompt
+        assert steps >= 7
+        assert long.output_token_ids
+    else:
+        assert steps <= most_steps
+        assert long.num_computed - before >= 512 // 2  # the long prompt kept moving
+    _drain(scheduler)
+    _check_balance(scheduler)
+
+
+def test_a_long_prefill_keeps_half_the_budget_under_a_stream_of_short_ones() -> None:
+    scheduler, clock = _scheduler(pool_tokens=65536, max_num_batched_tokens=512,
+                                  max_num_seqs=256)
+    long = _request("long", list(range(1000, 5000)), clock, max_tokens=1)
+    scheduler.add(long)
+    shorts = steps = 0
+    while not long.finished and steps < 100:
+        for _ in range(3):  # 600 short tokens a step: more than the short lane's half
+            scheduler.add(_request(f"s{shorts}", list(range(10000 + 200 * shorts,
+                                                            10200 + 200 * shorts)), clock))
+            shorts += 1
+        step(scheduler)
+        steps += 1
+    assert long.finished
+    assert steps <= -(-4000 // 256) + 1  # at least half of every step's 512 tokens
+
+
+def test_a_cached_long_prompt_counts_as_short() -> None:
+    """What the pool holds is not prefilled: a long prompt with a short uncached tail (a
+    conversation's next turn) takes the short lane."""
+    scheduler, clock = _scheduler(pool_tokens=16384, max_num_batched_tokens=512)
+    history = list(range(20000, 21500))
+    scheduler.add(_request("turn1", history + [1], clock))
+    _drain(scheduler)
+    long = _request("long", list(range(1000, 5000)), clock)
+    scheduler.add(long)
+    step(scheduler)
+    turn2 = _request("turn2", history + list(range(30000, 30100)), clock)
+    scheduler.add(turn2)
+    assert _steps_until_first_token(scheduler, turn2) == 1
+    assert turn2.num_cached_tokens == 1500
+    _drain(scheduler)
+    _check_balance(scheduler)
+
+
+def test_short_prefill_tokens_is_validated() -> None:
+    with pytest.raises(ValueError, match="short_prefill_tokens"):
+        EngineConfig(short_prefill_tokens=-1, show_progress=False)
+
+
+def test_short_prompts_alone_still_fill_the_step() -> None:
+    """The short lane orders the work; it never leaves budget unused."""
+    scheduler, clock = _scheduler(pool_tokens=16384, max_num_batched_tokens=2048)
+    for i in range(16):
+        scheduler.add(_request(f"r{i}", list(range(1000 + 300 * i, 1200 + 300 * i)), clock))
+    totals = []
+    while scheduler.has_work():
+        plan = scheduler.schedule()
+        totals.append(sum(c.num_tokens for c in plan.prefills))
+        scheduler.advance(plan)
+        for request in [*plan.decodes, *[c.request for c in plan.prefills if c.completes_prompt]]:
+            request.append_output(7)
+            if len(request.output_token_ids) >= request.params.max_tokens:
+                scheduler.finish(request, "length")
+    assert totals[0] == 2048
+    assert sum(totals) == 16 * 200
+    assert len([t for t in totals if t]) == 2  # 3,200 prompt tokens in two steps

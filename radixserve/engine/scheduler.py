@@ -2,7 +2,10 @@
 
 Continuous batching: running requests decode one token each, partly prefilled ones continue
 in chunks, and waiting ones are admitted while the token budget, `max_num_seqs` and the KV
-pool allow. Admission reuses the prefix cache: match, lock, budget memory (counting what
+pool allow. Short prompts (`short_prefill_tokens` uncached at most) go before long ones: each
+step serves decodes and short prefills, then admits short waiting requests within half the
+budget, then continues long prefills, then admits in the policy's order (fcfs or lpm), so a
+short request waits at most a step behind another's long prompt. Admission reuses the prefix cache: match, lock, budget memory (counting what
 eviction can free), allocate. When decode runs out of pages the newest request is preempted
 (recompute later); its computed KV stays in the cache so it can hit on the way back in.
 
@@ -169,17 +172,50 @@ class Scheduler:
     def _plan(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        # With short_prefill_tokens: decodes first, then short prefills running and admitted
+        # (the short lane: at most half the budget, so long prompts keep moving), then long
+        # prefills, then admission in the policy's order. Without: running order.
+        short_lane = self.config.short_prefill_tokens > 0
+        short_prefills: list[Request | None] = []
+        long_prefills: list[Request] = []
         for request in list(self.running):
             if budget <= 0:
                 break
             if request.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
+            if short_lane and request.is_prefilling:
+                (long_prefills if self._is_long_prefill(request) else short_prefills).append(
+                    request)
+                continue
             if not request.is_prefilling and not self._grow(request, out):
                 continue  # the request itself was preempted
             budget -= self._schedule_tokens(request, out, budget)
-        if not out.preempted:  # admitting while preempting would thrash
+        admits = not out.preempted  # admitting while preempting would thrash
+        if short_lane:
+            lane = min(budget, self.config.max_num_batched_tokens // 2)
+            left = lane
+            # The lane takes only what it can finish this step: a chunk cut at the lane's
+            # edge could not go on in the same step, though budget were left after it.
+            for i, request in enumerate(short_prefills):
+                if (request is not None and request.status is RequestStatus.RUNNING
+                        and request.num_tokens - request.num_computed <= left):
+                    left -= self._schedule_tokens(request, out, left)
+                    short_prefills[i] = None  # its turn is taken
+            if admits and self.waiting:
+                left = self._admit(out, left, short_only=True)
+            budget -= lane - left
+            # What the long prompts leave goes to short ones the lane had no room for.
+            for request in [*long_prefills, *short_prefills]:
+                if budget <= 0:
+                    break
+                if request is not None and request.status is RequestStatus.RUNNING:
+                    budget -= self._schedule_tokens(request, out, budget)
+        if admits:
             self._admit(out, budget)
         return out
+
+    def _is_long_prefill(self, request: Request) -> bool:
+        return request.num_tokens - request.num_computed > self.config.short_prefill_tokens
 
     def _schedule_tokens(self, request: Request, out: SchedulerOutput, budget: int) -> int:
         """Adds the request's next tokens to the step (one decode token, or a prefill chunk
@@ -295,19 +331,39 @@ class Scheduler:
 
     # ----- admission -----
 
-    def _admit(self, out: SchedulerOutput, budget: int) -> None:
-        for request in self._admission_order():
+    def _admit(self, out: SchedulerOutput, budget: int, short_only: bool = False) -> int:
+        """Admits waiting requests in the policy's order while `budget` lasts (with
+        `short_only`, only those whose uncached prompt is short); returns what is left."""
+        order = self._admission_order()
+        uncached: dict[str, int] = {}
+        if short_only:
+            uncached = {r.request_id: self._uncached(r)
+                        for r in order[: self.config.lpm_scan_limit]}
+            order = [r for r in order[: self.config.lpm_scan_limit]
+                     if uncached[r.request_id] <= self.config.short_prefill_tokens]
+        for request in order:
             if budget <= 0 or len(self.running) + len(self.loading) >= self.config.max_num_seqs:
-                return
+                break
+            if short_only and uncached[request.request_id] > budget:
+                continue  # (see _plan) a smaller one may still fit
             if self._waits_for_shared_prefill(request):
                 continue
             if not self.window_kv.admits():
-                return  # the running requests' windows fill the window group: they go first
+                break  # the running requests' windows fill the window group: they go first
             admitted = self._try_admit(request)
             if admitted is None:
-                return  # out of memory: later requests would not fit either
+                break  # out of memory: later requests would not fit either
             if request.status is RequestStatus.RUNNING:
                 budget -= self._schedule_tokens(request, out, budget)
+        return budget
+
+    def _uncached(self, request: Request) -> int:
+        """The waiting request's prompt tokens the pool does not hold (an upper bound)."""
+        if request.num_tokens <= self.config.short_prefill_tokens or request.needs_prompt_logprobs:
+            return request.num_tokens
+        hit = self.cache.match_prefix(request.namespace,
+                                      request.token_ids[: request.num_tokens - 1]).length
+        return request.num_tokens - hit
 
     def _admission_order(self) -> list[Request]:
         if self.config.schedule_policy == "fcfs" or len(self.waiting) <= 1:
