@@ -1,7 +1,8 @@
 """Speculative decoding in the engine, on the default (quantized) model: greedy output with
 speculation is plain decoding's, token for token (with logprobs, stops and max_tokens acting on
-accepted tokens only), under batching, chunked prefill, pages of 4 and cache hits; drafts never
-carry another tenant's text; constrained requests do not speculate and always parse."""
+accepted tokens only), under batching, chunked prefill, pages of 4, cache hits and the disk
+tier; drafts never carry another tenant's text; constrained requests do not speculate and
+always parse."""
 
 from __future__ import annotations
 
@@ -102,3 +103,21 @@ def test_constrained_requests_do_not_speculate_and_parse(llm: LLM) -> None:
 def test_auto_needs_an_engine_that_measured_its_cost_model(llm: LLM) -> None:
     with pytest.raises(ValueError, match="auto"):
         llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2, speculative="auto"))
+
+
+def test_greedy_speculation_equals_plain_decoding_from_the_disk_tier(tmp_path) -> None:
+    """After a restart the prompts' KV comes from the disk tier, and speculating on it gives
+    plain decoding's tokens."""
+    settings = dict(kv_cache_tokens=4096, page_size=4, max_num_batched_tokens=32,
+                    kv_offload_dir=str(tmp_path), kv_offload_block_tokens=16,
+                    show_progress=False, debug_invariants=True)
+    with LLM(**settings) as writer:
+        plain = _summary(writer.generate(PROMPTS, _params("off")))
+        writer.engine.offload.store.flush()
+    with LLM(**settings) as reader:
+        spec = _summary(reader.generate(PROMPTS, _params("ngram")))
+        assert reader.engine.scheduler.counters.kv_tier_hits > 0
+        assert reader.engine.speculation.counters.accepted_tokens > 0
+        stats = reader.pool_stats()
+        assert stats.balanced and stats.private == 0 and stats.protected == 0
+    assert spec == plain

@@ -1,16 +1,17 @@
 """Speculative decoding through the server: `--speculative auto` starts (measuring its cost
-model), a request's extra_body speculative / num_speculative_tokens override it on chat and
-completions with plain decoding's output, bad values are 400s naming the field, and /metrics
-counts drafts under our names and vLLM's."""
+model), a request's extra_body speculative / num_speculative_tokens override it on chat,
+completions and Anthropic's messages with plain decoding's output, bad values are 400s naming
+the field, and /metrics counts drafts under our names and vLLM's."""
 
 from __future__ import annotations
 
+import anthropic
 import httpx
 import openai
 import pytest
 
 from radixserve.server.settings import DEFAULT_MODEL_NAME
-from tests.support.servers import openai_client, running_server
+from tests.support.servers import anthropic_client, openai_client, running_server
 
 pytestmark = [pytest.mark.model]
 
@@ -60,3 +61,28 @@ def test_bad_speculation_values_are_refused(server, extra, field):
         client.chat.completions.create(model=DEFAULT_MODEL_NAME, messages=ASK, max_tokens=4,
                                        extra_body=extra)
     assert field in str(caught.value)
+
+
+def _drafts(server) -> float:
+    text = httpx.get(server.base_url + "/metrics").text
+    return float(next(line for line in text.splitlines()
+                      if line.startswith("radixserve:spec_decode_num_drafts_total")).split()[-1])
+
+
+def test_anthropic_messages_choose_their_speculation_too(server):
+    with anthropic_client(server) as client:
+        def message(extra):
+            before = _drafts(server)
+            # (this SDK has no temperature argument: greedy goes in the body too)
+            reply = client.messages.create(model=DEFAULT_MODEL_NAME, messages=ASK, max_tokens=24,
+                                           extra_body={"temperature": 0, **extra})
+            return reply.content[0].text, _drafts(server) - before
+
+        plain, drafted = message({"speculative": "off"})
+        assert drafted == 0
+        text, drafted = message({"speculative": "ngram", "num_speculative_tokens": 3})
+        assert text == plain
+        assert drafted > 0
+        with pytest.raises(anthropic.BadRequestError) as caught:
+            message({"num_speculative_tokens": 0})
+    assert "num_speculative_tokens" in str(caught.value)

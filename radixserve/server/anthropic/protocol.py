@@ -81,11 +81,16 @@ class MessagesRequest(CountTokensRequest):
     # `client.messages.parse(output_format=Model)` sends); "effort" is a reasoning knob, a
     # no-op here like `thinking`.
     output_config: dict[str, Any] | None = None
+    # This request's speculative decoding (extensions, as on the OpenAI routes; the SDK sends
+    # them through extra_body; SamplingParams checks the values).
+    speculative: str | None = None
+    num_speculative_tokens: int | None = None
 
     def sampling_options(self) -> dict[str, Any]:
         """SamplingParams arguments for the fields set (`validation.SamplingFields`)."""
         options = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
-                   "stop": self.stop_sequences}
+                   "stop": self.stop_sequences, "speculative": self.speculative,
+                   "num_speculative_tokens": self.num_speculative_tokens}
         return {name: value for name, value in options.items() if value is not None}
 
     def field_name(self, option: str) -> str:
