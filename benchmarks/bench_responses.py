@@ -6,8 +6,9 @@ stored responses.
 Each of --conversations agents (run concurrently) has --instructions-tokens of instructions and
 one function tool, and runs --turns turns: every turn forces one call, whose output (a tool
 result of 200-500 tokens) is the next turn's input. Reported per turn: TTFT (to the first
-streamed delta) and the cached share of the prompt; and a cold prefill of the last turn's
-prompt for scale.
+streamed delta) and the cached share of the prompt; and, for scale, the last turn's prompt
+prefilled cold: one conversation's alone, and every conversation's at once (the same load
+with nothing cached).
 
     .venv/bin/python benchmarks/bench_responses.py --out results/responses.json
     .venv/bin/python benchmarks/bench_responses.py --conversations 4 --turns 4 \\
@@ -49,7 +50,9 @@ CHAT_TOOL = {"type": "function", "function": {k: v for k, v in TOOL.items() if k
 
 async def _sse(client: httpx.AsyncClient, path: str, body: dict[str, Any]
                ) -> tuple[float, list[dict[str, Any]]]:
-    """(seconds to the first delta, every event) of a streamed POST."""
+    """(seconds to the first output, every event) of a streamed POST: the first delta, or on
+    /v1/responses the first output item (a function call's item comes with its name, as a chat
+    stream's first tool-call delta does)."""
     start, first = time.perf_counter(), None
     events = []
     async with client.stream("POST", path, json=body) as response:
@@ -60,7 +63,7 @@ async def _sse(client: httpx.AsyncClient, path: str, body: dict[str, Any]
             event = json.loads(line[6:])
             events.append(event)
             kind = event.get("type", "")
-            delta = kind.endswith(".delta") or any(
+            delta = kind.endswith(".delta") or kind == "response.output_item.added" or any(
                 c.get("delta", {}).get("content") or c.get("delta", {}).get("tool_calls")
                 for c in event.get("choices", []))
             if first is None and delta:
@@ -112,8 +115,10 @@ def _call_message(events: list[dict[str, Any]], turn: int) -> dict[str, Any]:
 
 
 async def full_chat(client: httpx.AsyncClient, instructions: str, results: list[str],
-                    output_tokens: int, salt: str | None = None) -> list[dict[str, float]]:
-    """The same conversation re-sent whole to /v1/chat/completions every turn."""
+                    output_tokens: int, salt: str | None = None,
+                    last_salt: str | None = None) -> list[dict[str, float]]:
+    """The same conversation re-sent whole to /v1/chat/completions every turn; `last_salt`
+    sends the last turn in a namespace of its own, so that it finds nothing cached."""
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": instructions},
         {"role": "user", "content": "Find the records the task needs, one lookup at a time."}]
@@ -125,6 +130,8 @@ async def full_chat(client: httpx.AsyncClient, instructions: str, results: list[
                 "stream_options": {"include_usage": True}}
         if salt is not None:
             body["cache_salt"] = salt
+        if last_salt is not None and turn == len(results) - 1:
+            body["cache_salt"] = last_salt
         ttft, events = await _sse(client, "/v1/chat/completions", body)
         usage = events[-1]["usage"]
         turns.append(_turn_record(ttft, usage["prompt_tokens"],
@@ -192,13 +199,22 @@ async def drive(url: str, kind: str, workloads: list[tuple[str, list[str]]],
     return _summary(list(runs))
 
 
-async def cold_prefill(url: str, instructions: str, results: list[str],
-                       output_tokens: int) -> float:
-    """TTFT of the last turn's prompt with nothing cached (a namespace of its own)."""
-    async with httpx.AsyncClient(base_url=url, timeout=3600) as client:
+async def cold_prefill(url: str, work: list[tuple[str, list[str]]],
+                       output_tokens: int) -> list[dict[str, float]]:
+    """The last turn of each conversation in `work` with nothing cached. The earlier turns run
+    as the chat run does (each cached from the one before); the last goes to a fresh
+    namespace. With one conversation this is a cold prefill alone; with all of them, the
+    by-id run's load with nothing cached."""
+    nonce = random.random()
+
+    async def last(client: httpx.AsyncClient, i: int, instructions: str,
+                   results: list[str]) -> dict[str, float]:
         turns = await full_chat(client, instructions, results, output_tokens,
-                                salt=f"cold-{random.random()}")
-    return turns[-1]["ttft_s"]
+                                salt=f"warm-{nonce}-{i}", last_salt=f"cold-{nonce}-{i}")
+        return turns[-1]
+
+    async with httpx.AsyncClient(base_url=url, timeout=3600) as client:
+        return list(await asyncio.gather(*(last(client, i, *w) for i, w in enumerate(work))))
 
 
 def workloads(args: argparse.Namespace, bank: WordBank) -> list[tuple[str, list[str]]]:
@@ -241,7 +257,10 @@ def llama_server(binary: str, model: Path, context: int, parallel: int, threads:
     port = free_port()
     command = [binary, "-m", str(model), "-c", str(context * parallel), "-np", str(parallel),
                "-t", str(threads), "--jinja", "-a", MODEL, "--host", "127.0.0.1",
-               "--port", str(port)]
+               "--port", str(port),
+               # Its HTTP timeout (600 s by default) is shorter than a turn of 16 concurrent
+               # conversations takes it on 2 cores: it would drop the connections.
+               "--timeout", "3600"]
     with open(log, "wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -264,7 +283,9 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=10)
     parser.add_argument("--instructions-tokens", type=int, default=2000)
     parser.add_argument("--output-tokens", type=int, default=40)
-    parser.add_argument("--kv-cache-tokens", type=int, default=131072)
+    # Room for the by-id run's pinned sequences (16 x ~5,700 tokens, pinned for the responses'
+    # TTL) beside the chat run's and the cold runs' (each as many again, evictable).
+    parser.add_argument("--kv-cache-tokens", type=int, default=196608)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--llama-server", default=None, metavar="BINARY",
                         help="also run llama-server's /v1/responses (stateless, full lists)")
@@ -289,20 +310,27 @@ def main() -> None:
     server: ServerProcess = start_server(
         ["--model", str(model), "--served-model-name", MODEL, "--num-threads",
          str(args.threads), "--kv-cache-tokens", str(args.kv_cache_tokens), "--no-access-log",
-         "--responses-dir", str(logs / "store"), "--max-pinned-fraction", "0.9"],
+         "--responses-dir", str(logs / "store"), "--max-pinned-fraction", "0.9",
+         # Every first turn arrives at once by design (a backlog of ~16 x 2,000 tokens from
+         # one caller): admission control would refuse some, and this measures the cache.
+         "--max-queue-wait", "0", "--queue-key-share", "1"],
         logs / "radixserve.log")
     try:
         for kind in ("by-id", "chat-full"):
             results[kind] = asyncio.run(drive(server.base_url, kind, work, args.output_tokens))
             print(kind, json.dumps(results[kind], indent=1), flush=True)
-        cold = asyncio.run(cold_prefill(server.base_url, *work[0], args.output_tokens))
-        results["cold_last_turn_ttft_s"] = cold
+        alone = asyncio.run(cold_prefill(server.base_url, work[:1], args.output_tokens))[0]
+        loaded = asyncio.run(cold_prefill(server.base_url, work, args.output_tokens))
+        loaded_p50 = statistics.median(t["ttft_s"] for t in loaded)
+        results["cold_last_turn"] = {"alone": alone, "all_at_once_ttft_p50_s": loaded_p50,
+                                     "all_at_once": loaded}
         last = results["by-id"][-1]["ttft_p50_s"]
         results["targets"] = {
             "cached_share_after_turn_1_min": min(t["cached_share"] for t in results["by-id"][1:]),
             "history_cached_share_min": min(t["history_cached_share"]
                                             for t in results["by-id"][1:]),
-            "last_turn_ttft_over_cold": last / cold}
+            "last_turn_ttft_over_cold_alone": last / alone["ttft_s"],
+            "last_turn_ttft_over_cold_all_at_once": last / loaded_p50}
     finally:
         server.stop()
     if args.llama_server:

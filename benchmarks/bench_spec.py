@@ -9,7 +9,8 @@ n-gram `--spec-type`s.
 
 Workloads: code-edit (a source file of this repository returned with one rename), rag-quote
 (answer by quoting a document), agent (a tool loop whose next call repeats arguments seen
-earlier, 4 at once), unique-chat (nothing to copy; 1 and 16 at once).
+earlier, 4 at once), unique-chat (nothing to copy; 1 and 16 at once), short-c32 (32 short
+requests at once).
 """
 
 from __future__ import annotations
@@ -85,7 +86,8 @@ def workloads(quick: bool) -> list[Workload]:
             Workload("agent-c4", _agent(4), min(out, 64)),
             Workload("unique-chat-c1", _unique(1), out)]
     if not quick:
-        runs.append(Workload("unique-chat-c16", _unique(16), 64))
+        runs += [Workload("unique-chat-c16", _unique(16), 64),
+                 Workload("short-c32", _unique(32), 16)]
     return runs
 
 
@@ -127,7 +129,9 @@ def run_llama_server(spec_type: str, runs: list[Workload], args: argparse.Namesp
                str(args.threads), "-np", "16", "-c", "65536", "-a", MODEL_NAME,
                "--host", "127.0.0.1", "--port", "{port}"]
     if spec_type != "none":
-        command += ["--spec-type", spec_type, "--draft-max", str(args.k)]
+        # Each n-gram type at llama.cpp's own defaults (drafts of up to 48-64 tokens): what its
+        # users get, and its authors' tuning.
+        command += ["--spec-type", spec_type]
     rows = []
     with RunningServer(System(f"llama-server {spec_type}", command), log, 300) as server:
         for workload in runs:
