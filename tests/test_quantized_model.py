@@ -164,6 +164,9 @@ def test_the_last_layer_runs_only_for_the_rows_read(which, stacked, request, mon
 
     monkeypatch.setattr(model, "hidden_states", checked)
     monkeypatch.setattr(llm.engine.config, "max_num_batched_tokens", 24)
+    # Arrival order, so that the long prompt's middle chunks get steps of their own (ahead of
+    # the short prompts, every step would also carry their rows).
+    monkeypatch.setattr(llm.engine.config, "short_prefill_tokens", 0)
     llm.engine.cache.reset()
     long_prompt = " ".join(PROMPTS[-1:] * 2)  # about 60 tokens: chunks with no row read
     greedy = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
