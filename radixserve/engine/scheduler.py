@@ -5,8 +5,8 @@ in chunks, and waiting ones are admitted while the token budget, `max_num_seqs` 
 pool allow. Short prompts (`short_prefill_tokens` uncached at most) go before long ones: each
 step serves decodes and short prefills, then admits short waiting requests within half the
 budget, then continues long prefills, then admits in the policy's order (fcfs or lpm), so a
-short request waits at most a step behind another's long prompt. Admission reuses the prefix cache: match, lock, budget memory (counting what
-eviction can free), allocate. When decode runs out of pages the newest request is preempted
+short request waits at most a step behind another's long prompt. Admission reuses the prefix
+cache: match, lock, budget memory (counting what eviction can free), allocate. When decode runs out of pages the newest request is preempted
 (recompute later); its computed KV stays in the cache so it can hit on the way back in.
 
 With a disk tier (`KVTier`), admission also asks it for the blocks that follow the pool's match:
@@ -41,6 +41,9 @@ from radixserve.engine.tier_loads import KVTier, TierLoads
 from radixserve.engine.window_kv import FullKV
 from radixserve.outputs import FinishReason
 from radixserve.sequences import common_prefix_len
+
+# How many waiting requests, from the head of the queue, the short-prompt lane considers.
+SHORT_LANE_SCAN = 32
 
 
 @dataclass
@@ -335,17 +338,15 @@ class Scheduler:
         """Admits waiting requests in the policy's order while `budget` lasts (with
         `short_only`, only those whose uncached prompt is short); returns what is left."""
         order = self._admission_order()
-        uncached: dict[str, int] = {}
-        if short_only:
-            uncached = {r.request_id: self._uncached(r)
-                        for r in order[: self.config.lpm_scan_limit]}
-            order = [r for r in order[: self.config.lpm_scan_limit]
-                     if uncached[r.request_id] <= self.config.short_prefill_tokens]
+        if short_only:  # each candidate costs a cache match: only the queue's head is looked at
+            order = order[:SHORT_LANE_SCAN]
         for request in order:
             if budget <= 0 or len(self.running) + len(self.loading) >= self.config.max_num_seqs:
                 break
-            if short_only and uncached[request.request_id] > budget:
-                continue  # (see _plan) a smaller one may still fit
+            # (see _plan) the lane takes a short prompt whole, and a smaller one may still fit
+            if short_only and not self._uncached(request) <= min(
+                    budget, self.config.short_prefill_tokens):
+                continue
             if self._waits_for_shared_prefill(request):
                 continue
             if not self.window_kv.admits():
