@@ -413,16 +413,24 @@ def test_a_killed_replica_fails_nothing_it_can_retry_and_leaves_the_index(
                           json={**body, "prompt": ids + [100 + i]}, timeout=120,
                           trust_env=False)
 
+    first_token = threading.Event()
+
     def streamed() -> list[str]:
         with httpx.stream("POST", proc.base_url + "/v1/completions", headers=auth,
                           json={**body, "stream": True}, timeout=120, trust_env=False) as r:
-            return [line for line in r.iter_lines() if line]
+            lines = []
+            for line in r.iter_lines():
+                if line:
+                    lines.append(line)
+                    first_token.set()
+            return lines
 
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         plains = [pool.submit(plain, i) for i in range(3)]
         stream = pool.submit(streamed)
-        # All four follow the prefix to the victim; kill it once they are generating.
-        _until(lambda: read_metrics(proc.base_url, by_replica=True).get(
+        # All four follow the prefix to the victim; kill it once they are generating and the
+        # stream has sent a token (before that, the ingress may run it again elsewhere).
+        _until(lambda: first_token.is_set() and read_metrics(proc.base_url, by_replica=True).get(
             f"num_requests_running{{replica={victim}}}", 0) >= 4, timeout_s=60)
         os.kill(pid, signal.SIGKILL)
         responses = [f.result(timeout=120) for f in plains]
