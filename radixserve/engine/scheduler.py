@@ -194,6 +194,8 @@ class Scheduler:
                 continue  # the request itself was preempted
             budget -= self._schedule_tokens(request, out, budget)
         admits = not out.preempted  # admitting while preempting would thrash
+        # Ranked once a step (under lpm, one cache match per waiting request), for both passes.
+        order = self._admission_order() if admits and self.waiting else []
         if short_lane:
             lane = min(budget, self.config.max_num_batched_tokens // 2)
             left = lane
@@ -205,7 +207,7 @@ class Scheduler:
                     left -= self._schedule_tokens(request, out, left)
                     short_prefills[i] = None  # its turn is taken
             if admits and self.waiting:
-                left = self._admit(out, left, short_only=True)
+                left = self._admit(out, left, order, short_only=True)
             budget -= lane - left
             # What the long prompts leave goes to short ones the lane had no room for.
             for request in [*long_prefills, *short_prefills]:
@@ -214,7 +216,7 @@ class Scheduler:
                 if request is not None and request.status is RequestStatus.RUNNING:
                     budget -= self._schedule_tokens(request, out, budget)
         if admits:
-            self._admit(out, budget)
+            self._admit(out, budget, order)
         return out
 
     def _is_long_prefill(self, request: Request) -> bool:
@@ -334,15 +336,17 @@ class Scheduler:
 
     # ----- admission -----
 
-    def _admit(self, out: SchedulerOutput, budget: int, short_only: bool = False) -> int:
-        """Admits waiting requests in the policy's order while `budget` lasts (with
+    def _admit(self, out: SchedulerOutput, budget: int, order: list[Request],
+               short_only: bool = False) -> int:
+        """Admits waiting requests of `order` (the policy's) while `budget` lasts (with
         `short_only`, only those whose uncached prompt is short); returns what is left."""
-        order = self._admission_order()
         if short_only:  # each candidate costs a cache match: only the queue's head is looked at
             order = order[:SHORT_LANE_SCAN]
         for request in order:
             if budget <= 0 or len(self.running) + len(self.loading) >= self.config.max_num_seqs:
                 break
+            if request.status is not RequestStatus.WAITING:  # admitted by the short lane
+                continue
             # (see _plan) the lane takes a short prompt whole, and a smaller one may still fit
             if short_only and not self._uncached(request) <= min(
                     budget, self.config.short_prefill_tokens):
