@@ -28,7 +28,7 @@ from radixserve.model.tokenizer import ChatTokenizer
 from radixserve.testing.server import ServerProcess, read_metrics, wait_idle
 from tests.support.anthropic_suite import KEY, AnthropicSuite
 from tests.support.openai_suite import MAX_REQUEST_BYTES, OpenAISuite
-from tests.support.servers import anthropic_client, running_server
+from tests.support.servers import anthropic_client, openai_client, running_server
 
 pytestmark = [pytest.mark.model, pytest.mark.server, pytest.mark.slow]
 
@@ -50,11 +50,17 @@ def server(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 @pytest.fixture(scope="module")
 def keyed(server: ServerProcess, tmp_path_factory: pytest.TempPathFactory
           ) -> Iterator[ServerProcess]:
-    """Replicas behind an API key, routed by power of two choices: the auth test's server and
-    the routing test's baseline, on the same cluster."""
+    """Replicas behind an API key, routed by power of two choices, each taking one request at
+    a time (a second waits in the router until one is free), on the module's cluster: the auth
+    test's server, the routing tests' baseline and the router-queue test's deployment (one
+    deployment for all three: each start loads the model twice)."""
     with running_server(tmp_path_factory, *REPLICA_FLAGS, "--ray-address", "auto",
-                        "--api-key", KEY, "--router", "pow2", name="keyed") as proc:
+                        "--api-key", KEY, "--router", "pow2", "--replica-max-ongoing", "1",
+                        name="keyed") as proc:
         yield proc
+
+
+AUTH = {"authorization": f"Bearer {KEY}"}
 
 
 # ----- the single server's SDK suites, through the ingress -----
@@ -201,9 +207,8 @@ def test_prefix_router_sends_each_prefix_where_it_is_cached(
     assert cached == expected
     # Power of two choices on the same workload (its own deployment on the same cluster):
     # prefixes land on both replicas and are computed twice.
-    auth = {"authorization": f"Bearer {KEY}"}
     before = _queries_by_replica(keyed.base_url)
-    cached_pow2 = [_cached(_complete(keyed.base_url, ids, headers=auth)) for ids in prompts]
+    cached_pow2 = [_cached(_complete(keyed.base_url, ids, headers=AUTH)) for ids in prompts]
     after = _queries_by_replica(keyed.base_url)
     per_replica = {r: after[r] - before.get(r, 0) for r in after}
     assert sum(cached_pow2) < sum(cached) - 250, (cached_pow2, cached)
@@ -270,10 +275,11 @@ def test_tenants_prefixes_are_not_shared_across_salts(
         assert again == home  # its own tenant still follows the prefix
 
 
-def _stream_until(base_url: str, body: dict[str, Any], stop: threading.Event) -> None:
+def _stream_until(base_url: str, body: dict[str, Any], stop: threading.Event,
+                  headers: dict[str, str] | None = None) -> None:
     """A streamed completion, read until it ends or `stop` is set (then abandoned)."""
-    with httpx.stream("POST", base_url + "/v1/completions", json=body, timeout=300,
-                      trust_env=False) as r:
+    with httpx.stream("POST", base_url + "/v1/completions", json=body, headers=headers,
+                      timeout=300, trust_env=False) as r:
         assert r.status_code == 200
         for _ in r.iter_lines():
             if stop.is_set():
@@ -339,29 +345,40 @@ def test_router_stops_preferring_a_prefix_its_replica_evicted(
         assert _replica_of(server, lambda: _complete(server.base_url, ids)) != home
 
 
-@pytest.fixture
-def one_each(server: ServerProcess, tmp_path_factory: pytest.TempPathFactory
-             ) -> Iterator[ServerProcess]:
-    """Replicas that take one request at a time, on the module's cluster: a second request
-    waits in the router until one is free."""
-    with running_server(tmp_path_factory, *REPLICA_FLAGS, "--ray-address", "auto",
-                        "--replica-max-ongoing", "1", name="one_each") as proc:
-        yield proc
+def test_responses_continuations_follow_their_owner_under_power_of_two(
+    keyed: ServerProcess,
+) -> None:
+    # test_replicas_responses.py checks the binding under round-robin; power of two choices
+    # would pick either replica for each turn as well.
+    instructions = "You are the ferry company's assistant. Answer travellers briefly. " * 10
+    with openai_client(keyed, KEY) as client:
+        def turn(text: str, previous: str | None) -> tuple[str, Any]:
+            out: list[Any] = []
+            replica = _replica_of(keyed, lambda: out.append(client.responses.create(
+                model=MODEL, instructions=instructions, input=text, temperature=0,
+                max_output_tokens=8, previous_response_id=previous)))
+            return replica, out[0]
+
+        home, r = turn("Are dogs allowed on board?", None)
+        for question in ("On a lead?", "In the cabin?", "And cats?", "And birds?"):
+            replica, r = turn(question, r.id)
+            assert replica == home  # by chance alone: 1 in 16 over these four turns
 
 
 def test_a_request_whose_caller_leaves_before_it_is_sent_releases_its_load(
-    one_each: ServerProcess,
+    keyed: ServerProcess,
 ) -> None:
-    url = one_each.base_url
+    url = keyed.base_url
     stop = threading.Event()
 
     def hold(i: int) -> None:
         # Long enough to outlast the test on a fast CPU; abandoned once it is done.
         _stream_until(url, {"model": MODEL, "prompt": f"Story {i}:", "max_tokens": 3000,
-                            "temperature": 0, "ignore_eos": True, "stream": True}, stop)
+                            "temperature": 0, "ignore_eos": True, "stream": True}, stop,
+                      AUTH)
 
     def in_flight() -> list[int]:
-        return [r["routed_in_flight"] for r in _replicas(one_each)]
+        return [r["routed_in_flight"] for r in _replicas(keyed, AUTH)]
 
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         holders = [pool.submit(hold, i) for i in range(2)]
@@ -370,7 +387,7 @@ def test_a_request_whose_caller_leaves_before_it_is_sent_releases_its_load(
             # Both replicas are full: this request waits to be routed, and its caller leaves.
             with pytest.raises(httpx.TimeoutException):
                 httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Hi",
-                           "max_tokens": 2}, timeout=1.5, trust_env=False)
+                           "max_tokens": 2}, headers=AUTH, timeout=1.5, trust_env=False)
             _until(lambda: in_flight() == [1, 1])
         finally:
             stop.set()
@@ -379,7 +396,7 @@ def test_a_request_whose_caller_leaves_before_it_is_sent_releases_its_load(
     wait_idle(url)
     # It was never sent, so no completion released it: the router must have seen it go.
     _until(lambda: in_flight() == [0, 0])
-    assert _complete(url, "Hi", max_tokens=2)["usage"]["completion_tokens"] == 2
+    assert _complete(url, "Hi", max_tokens=2, headers=AUTH)["usage"]["completion_tokens"] == 2
     _until(lambda: in_flight() == [0, 0])  # Serve reports the finish just after the reply
 
 

@@ -2,7 +2,8 @@
 policy that would otherwise send consecutive turns to different replicas): a continuation by
 `previous_response_id` lands on the replica that generated the response it continues and reads
 its whole sequence from that replica's cache; with that replica killed, the continuation runs on
-the other one from the ingress's store and answers the same."""
+the other one from the ingress's store and answers the same. (test_replicas.py checks the
+binding under power of two choices too, on its keyed deployment.)"""
 
 from __future__ import annotations
 
@@ -46,16 +47,6 @@ def server(store_dir: Path, tmp_path_factory: pytest.TempPathFactory
 def client(server: ServerProcess) -> Iterator[openai.OpenAI]:
     with openai_client(server) as c:
         yield c
-
-
-@pytest.fixture(scope="module")
-def pow2(server: ServerProcess, tmp_path_factory: pytest.TempPathFactory
-         ) -> Iterator[ServerProcess]:
-    """Replicas routed by power of two choices, on the module's cluster."""
-    with running_server(tmp_path_factory, "--replicas", "2", "--num-threads", "2",
-                        "--cpus-per-replica", "0.25", "--kv-cache-tokens", "4096",
-                        "--router", "pow2", "--ray-address", "auto", name="pow2") as proc:
-        yield proc
 
 
 def _queries_by_replica(server: ServerProcess) -> dict[str, float]:
@@ -112,16 +103,6 @@ def test_continuations_land_on_the_owner_and_hit_its_cache(
     client.responses.delete(r.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(r.id)
-
-
-def test_power_of_two_choices_also_sends_continuations_to_the_owner(
-    pow2: ServerProcess,
-) -> None:
-    with openai_client(pow2) as client:
-        home, r = _served_by(pow2, lambda: _turn(client, "Are dogs allowed on board?"))
-        for question in ("On a lead?", "In the cabin?", "And cats?", "And birds?"):
-            replica, r = _served_by(pow2, lambda q=question, p=r.id: _turn(client, q, p))
-            assert replica == home  # by chance alone: 1 in 16 over these four turns
 
 
 def test_with_the_owner_gone_another_replica_answers_the_same(
