@@ -4,8 +4,13 @@ drafter's time per step; optionally llama-server (same GGUF, same prompts) with 
 n-gram `--spec-type`s.
 
     .venv/bin/python benchmarks/bench_spec.py --quick                  # a 1-2 minute smoke run
-    .venv/bin/python benchmarks/bench_spec.py --out results/spec.json \
+    .venv/bin/python benchmarks/bench_spec.py --out results/spec.json --rounds 3 \
         --llama-cpp-bin /work/llama/LLAMA_CPP/build/bin
+
+Every mode has its engine loaded and warmed up before the first timing; each round runs every
+workload in every mode, one after another, so that the machine's drift (tens of percent within
+minutes on shared CPUs) falls on all modes alike. Reported: each figure's median over the
+rounds, and each mode's speed-up as the median of its per-round ratios to `off`.
 
 Workloads: code-edit (a source file of this repository returned with one rename), rag-quote
 (answer by quoting a document), agent (a tool loop whose next call repeats arguments seen
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -91,36 +97,66 @@ def workloads(quick: bool) -> list[Workload]:
     return runs
 
 
-def run_radixserve(mode: str, runs: list[Workload], args: argparse.Namespace) -> list[dict]:
+def load(mode: str, args: argparse.Namespace) -> LLM:
     llm = LLM(args.model, speculative=mode, num_speculative_tokens=args.k,
-              num_threads=args.threads, show_progress=False, prefix_cache="off")
-    rows = []
-    for workload in runs:
-        counters = llm.engine.speculation.counters
-        before = (counters.steps, counters.drafts, counters.accepted_tokens,
-                  counters.draft_seconds, counters.speculative_steps)
-        params = SamplingParams(max_tokens=workload.max_tokens, temperature=0)
-        started = time.perf_counter()
-        results = llm.chat(workload.conversations, params, use_tqdm=False)
-        seconds = time.perf_counter() - started
-        tokens = sum(len(r.outputs[0].token_ids) for r in results)
-        # Decode alone (first token to last), the part speculation changes.
-        first = min(r.metrics.first_token_time for r in results)
-        last = max(r.metrics.finished_time for r in results)
-        steps = counters.steps - before[0]
-        drafts = counters.drafts - before[1]
-        accepted = counters.accepted_tokens - before[2]
-        rows.append({
-            "system": "radixserve", "mode": mode, "workload": workload.name,
-            "output_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-            "decode_tokens_per_s": (tokens - len(results)) / max(last - first, 1e-9),
-            "acceptance_length": 1 + accepted / drafts if drafts else None,
-            "speculative_step_share": (counters.speculative_steps - before[4]) / max(steps, 1),
-            "drafter_ms_per_step": (counters.draft_seconds - before[3]) / max(steps, 1) * 1e3,
-            "step_ms": seconds / max(steps, 1) * 1e3,
-        })
-        print(json.dumps(rows[-1]), flush=True)
-    return rows
+              num_threads=args.threads, show_progress=False, prefix_cache="off",
+              kv_cache_tokens=8192)
+    # First calls load kernels and build per-shape state: not part of any figure.
+    llm.chat(_code_edit(), SamplingParams(max_tokens=32, temperature=0), use_tqdm=False)
+    return llm
+
+
+def run_radixserve(mode: str, llm: LLM, workload: Workload, namespace: str) -> dict:
+    counters = llm.engine.speculation.counters
+    before = (counters.steps, counters.drafts, counters.accepted_tokens,
+              counters.draft_seconds, counters.speculative_steps)
+    params = SamplingParams(max_tokens=workload.max_tokens, temperature=0)
+    started = time.perf_counter()
+    # A namespace per workload and round: `suffix` and `auto` must not copy what an earlier
+    # round, or another workload asking the same, said.
+    results = llm.chat(workload.conversations, params, use_tqdm=False, cache_salt=namespace)
+    seconds = time.perf_counter() - started
+    tokens = sum(len(r.outputs[0].token_ids) for r in results)
+    # Decode alone (first token to last), the part speculation changes.
+    first = min(r.metrics.first_token_time for r in results)
+    last = max(r.metrics.finished_time for r in results)
+    steps = counters.steps - before[0]
+    drafts = counters.drafts - before[1]
+    accepted = counters.accepted_tokens - before[2]
+    row = {
+        "system": "radixserve", "mode": mode, "workload": workload.name,
+        "output_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+        "decode_tokens_per_s": (tokens - len(results)) / max(last - first, 1e-9),
+        "acceptance_length": 1 + accepted / drafts if drafts else None,
+        "speculative_step_share": (counters.speculative_steps - before[4]) / max(steps, 1),
+        "drafter_ms_per_step": (counters.draft_seconds - before[3]) / max(steps, 1) * 1e3,
+        "step_ms": seconds / max(steps, 1) * 1e3,
+        "step_overhead_ms": llm.engine.speculation.overhead * 1e3,
+    }
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def median_rows(rows: list[dict]) -> list[dict]:
+    """One row per (system, mode, workload): each number the median over the rounds, and the
+    speed-up over `off` the median of the rounds' own ratios."""
+    off = {(r["round"], r["workload"]): r["tokens_per_s"] for r in rows if r["mode"] == "off"
+           and r["system"] == "radixserve"}
+    groups: dict[tuple[str, str, str], list[dict]] = {}
+    for r in rows:
+        if (r.get("round"), r["workload"]) in off:
+            r["speedup_vs_off"] = r["tokens_per_s"] / off[(r["round"], r["workload"])]
+        groups.setdefault((r["system"], r["mode"], r["workload"]), []).append(r)
+    out = []
+    for (system, mode, workload), group in groups.items():
+        row: dict[str, Any] = {"system": system, "mode": mode, "workload": workload,
+                               "rounds": len(group)}
+        for key in group[0]:
+            values = [g[key] for g in group if isinstance(g.get(key), (int, float))]
+            if key not in row and key != "round" and len(values) == len(group):
+                row[key] = statistics.median(values)
+        out.append(row)
+    return out
 
 
 def run_llama_server(spec_type: str, runs: list[Workload], args: argparse.Namespace,
@@ -159,6 +195,8 @@ def main() -> int:
     parser.add_argument("--modes", default=",".join(MODES), help="radixserve modes to run")
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds of every workload in every mode (medians reported)")
     parser.add_argument("--quick", action="store_true", help="short outputs, fewer workloads")
     parser.add_argument("--workloads", default=None,
                         help="comma-separated workload names to run (default: all)")
@@ -172,20 +210,22 @@ def main() -> int:
     results: dict[str, Any] = {"cpu": cpu_summary(), "model": args.model, "k": args.k,
                                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                                "rows": []}
-    for mode in args.modes.split(","):
-        results["rows"] += run_radixserve(mode, runs, args)
+    modes = args.modes.split(",")
+    engines = {mode: load(mode, args) for mode in modes}
+    for round_ in range(args.rounds):
+        for workload in runs:
+            for mode in modes:
+                results["rows"].append({**run_radixserve(
+                    mode, engines[mode], workload, f"{workload.name}-{round_}"), "round": round_})
+    del engines
     if args.llama_cpp_bin is not None:
         log = (args.out or Path("bench_spec.json")).with_suffix(".llama-server.log")
         for spec_type in LLAMA_SPEC_TYPES:
             results["rows"] += run_llama_server(spec_type, runs, args, log)
-    off = {r["workload"]: r["tokens_per_s"] for r in results["rows"]
-           if r["system"] == "radixserve" and r["mode"] == "off"}
-    for row in results["rows"]:
-        if row["workload"] in off:
-            row["speedup_vs_off"] = row["tokens_per_s"] / off[row["workload"]]
+    results["medians"] = median_rows(results["rows"])
     print(f"{'system':12} {'mode':13} {'workload':16} {'tok/s':>7} {'x off':>6} "
           f"{'decode tok/s':>12} {'accept len':>10} {'draft ms/step':>13}")
-    for r in results["rows"]:
+    for r in results["medians"]:
         accept = r.get("acceptance_length")
         draft_ms = r.get("drafter_ms_per_step")
         print(f"{r['system']:12} {r['mode']:13} {r['workload']:16} {r['tokens_per_s']:7.1f} "

@@ -178,8 +178,10 @@ def _cache_flags(cache: argparse._ArgumentGroup) -> None:
                        default=EngineConfig.speculative,
                        help="speculative decoding without a draft model: ngram drafts from "
                             "the request's own prompt and output, suffix also from earlier "
-                            "requests of its namespace (cache_salt), auto as suffix where a "
-                            "start-up cost model says the step gains (off when many rows run); "
+                            "requests of its namespace (cache_salt), auto as suffix where the "
+                            "step gains by the cost model (forward times measured at start-up, "
+                            "the step's other work measured as it runs) and the request's "
+                            "acceptance so far (rarely when many rows run); "
                             "greedy output unchanged, sampled output's distribution unchanged, "
                             "constrained requests never speculate. A request may override it "
                             "(extra_body speculative, num_speculative_tokens)")

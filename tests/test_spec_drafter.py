@@ -1,9 +1,12 @@
 """The speculative drafter's parts without a model: the n-gram index against a brute-force
 search, the namespace table's isolation and bound, the greedy and sampled acceptance rules (the
-sampled one against the distributions it must preserve, by frequencies), and the cost model's
-choice (a compute-bound step never drafts)."""
+sampled one against the distributions it must preserve, by frequencies), the cost model's
+choice (a compute-bound step never drafts; the step's time beside the forward counts) and
+auto's acceptance estimate."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,6 +17,12 @@ from radixserve import config, sampling_params
 from radixserve.engine.speculative.cost_model import StepCostModel
 from radixserve.engine.speculative.namespace_table import NamespaceTable
 from radixserve.engine.speculative.ngram_index import NgramIndex
+from radixserve.engine.speculative.policy import (
+    PRIOR_ACCEPTANCE,
+    Speculation,
+    SpeculationSettings,
+    acceptance_of,
+)
 from radixserve.engine.speculative.verify import accept_greedy, accept_sampled
 
 
@@ -70,6 +79,44 @@ def test_cost_model_drafts_in_a_memory_bound_step_and_never_in_a_compute_bound_o
     assert model.best_draft_length(rows=1, acceptance=0.7, available=4) == 4
     assert model.best_draft_length(rows=1, acceptance=0.0, available=4) == 0
     assert model.best_draft_length(rows=32, acceptance=0.9, available=4) == 0
+
+
+def test_the_step_overhead_makes_drafting_pay_in_a_step_the_forward_alone_would_not():
+    # As measured on the default model: a decode step's forward grows by ~0.9 ms a row at 4
+    # rows, and the step spends ~6 ms beside it (scheduling, sampling, detokenizing).
+    model = StepCostModel((1, 2, 4, 8, 16), (5.4, 5.7, 7.9, 11.4, 19.8))
+    assert model.best_draft_length(rows=4, acceptance=0.4, available=8) == 0
+    assert model.best_draft_length(rows=4, acceptance=0.4, available=8, overhead=6.0) > 0
+    # In a compute-bound step a token verified costs a row's whole share: only a draft that
+    # is likely to hold saves more of the overhead than that.
+    steep = StepCostModel((1, 2, 4, 8), (1.0, 2.0, 4.0, 8.0))
+    assert steep.best_draft_length(rows=4, acceptance=0.3, available=8, overhead=6.0) == 0
+    assert steep.best_draft_length(rows=4, acceptance=0.9, available=8, overhead=6.0) > 0
+
+
+def test_acceptance_counts_the_tokens_after_a_rejection_as_untried():
+    request = SimpleNamespace(spec_drafted=0, spec_accepted=0, spec_rejections=0)
+    speculation = Speculation(SpeculationSettings("auto", 8, 4096))
+    assert acceptance_of(request) == PRIOR_ACCEPTANCE
+    for _ in range(10):
+        speculation.verified(request, drafted=8, accepted=6)  # the 7th token missed
+    # 60 accepted of 70 tried (the 8th never was), with the prior's 2 of 4.
+    assert acceptance_of(request) == pytest.approx(62 / 74)
+    assert request.spec_drafted == 80 and request.spec_rejections == 10
+    for _ in range(10):
+        speculation.verified(request, drafted=8, accepted=8)
+    assert acceptance_of(request) == pytest.approx(142 / 154)
+
+
+def test_the_overhead_estimate_follows_the_steps_the_engine_observes():
+    speculation = Speculation(SpeculationSettings("auto", 8, 4096),
+                              StepCostModel((1, 2, 4), (0.005, 0.006, 0.008)))
+    for _ in range(100):
+        speculation.observe_step(0.014, 4)  # 8 ms of forward, 6 ms beside it
+    assert speculation.overhead == pytest.approx(0.006, rel=1e-3)
+    for _ in range(100):
+        speculation.observe_step(0.004, 4)  # faster than the probe: nothing beside it
+    assert speculation.overhead == pytest.approx(0.0, abs=1e-6)
 
 
 def test_the_speculative_settings_are_the_same_for_requests_and_the_engine():

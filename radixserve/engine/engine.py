@@ -35,7 +35,7 @@ from radixserve.engine.setup import (
     resolve_device,
     resolve_dtype,
 )
-from radixserve.engine.speculative.cost_model import StepCostModel
+from radixserve.engine.speculative.cost_model import MEASURED_ROWS, StepCostModel
 from radixserve.engine.speculative.policy import Speculation, SpeculationSettings
 from radixserve.engine.structured_output import GrammarCompiler
 from radixserve.engine.window_kv import FullKV, WindowKV
@@ -124,7 +124,10 @@ class LLMEngine:
         self._kv_recorder: KVEventRecorder | None = None
         self.kv_events: KVEventPublisher | None = None
         if config.speculative == "auto":
-            self.speculation.cost = StepCostModel.measure(self._timed_forward)
+            # Each probe row holds a page: a small pool measures fewer row counts.
+            pages = self.pool.allocator.free_slots // config.page_size
+            self.speculation.cost = StepCostModel.measure(
+                self._timed_forward, rows=tuple(n for n in MEASURED_ROWS if n <= pages))
             logger.info("speculation cost model: step seconds %s at rows %s",
                         [round(t, 4) for t in self.speculation.cost.seconds],
                         list(self.speculation.cost.rows))
@@ -294,8 +297,11 @@ class LLMEngine:
             return self._outputs(self.scheduler.fail(plan))
         model_done = time.perf_counter()
         outputs = self._outputs(self.postprocessor.apply(plan, result))
+        finished = time.perf_counter()
         self.model_seconds += model_done - model_started
-        self.bookkeeping_seconds += (model_started - started) + (time.perf_counter() - model_done)
+        self.bookkeeping_seconds += (model_started - started) + (finished - model_done)
+        if not plan.prefills:
+            self.speculation.observe_step(finished - started, plan.num_tokens)
         return outputs
 
     def _outputs(self, progressed: list[Request]) -> list[RequestOutput]:
@@ -332,8 +338,21 @@ class LLMEngine:
             self.pool.allocator.release(request.slots)
 
     def _timed_forward(self, rows: int) -> None:
-        """One uncached step of `rows` rows (the speculation cost model's probe)."""
-        self.prompt_logits([(7 * i + 1) % self.model_config.vocab_size for i in range(rows)])
+        """One uncached forward of `rows` one-token requests, each with its logits: the rows
+        and logits of a decode or verify step (the speculation cost model's probe)."""
+        requests = [Request(f"probe-{i}", [(7 * i + 1) % self.model_config.vocab_size],
+                            SamplingParams(max_tokens=1)) for i in range(rows)]
+        try:
+            for request in requests:
+                request.slots = self.pool.allocator.allocate(1)
+                self.window_kv.reserve(request, 1)
+            self.runner.forward(SchedulerOutput(
+                prefills=[ScheduledChunk(request, 1) for request in requests]))
+        finally:
+            for request in requests:
+                self.window_kv.release(request)
+                if request.slots:
+                    self.pool.allocator.release(request.slots)
 
     # ----- accounting -----
 

@@ -81,6 +81,7 @@ class Request:
     draft_index: NgramIndex | None = field(default=None, repr=False)
     spec_drafted: int = 0
     spec_accepted: int = 0
+    spec_rejections: int = 0  # verified drafts that ended at a rejected token
     metrics: RequestMetrics = field(init=False)
     # Text state, kept by the engine's output processing.
     output_text: str = ""

@@ -1,5 +1,8 @@
-"""How long a step takes against the rows it computes, for this model on this machine: measured
-once at start-up (a few uncached forwards of 1 to 64 rows), interpolated in between.
+"""How long a step takes against the rows it computes, for this model on this machine: the
+forward measured once at start-up (a few uncached steps of 1 to 64 one-token rows, each with
+its logits, as in a decode or verify step), interpolated in between; plus the step's own work
+beside the forward (scheduling, sampling, detokenizing), which the engine measures as it runs
+and passes in as `overhead`.
 
 On a CPU a step of a few rows reads every weight once, so rows are nearly free until the
 matmuls become compute-bound; from there each row costs its share. Speculation pays exactly
@@ -50,15 +53,18 @@ class StepCostModel:
         x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
         return y0 + (y1 - y0) * (rows - x0) / (x1 - x0)
 
-    def best_draft_length(self, rows: int, acceptance: float, available: int) -> int:
+    def best_draft_length(self, rows: int, acceptance: float, available: int,
+                          overhead: float = 0.0) -> int:
         """How many of `available` draft tokens one request should verify in a step of `rows`
         other rows: the k whose expected extra tokens buy the most time, and 0 unless those
         tokens cost less than the step's average token (so a compute-bound step never drafts).
+        `overhead` is the step's time beside the forward: a drafted token saves its share of
+        that too, and adds nothing to it.
 
         With per-token acceptance a, k drafted tokens yield a + a^2 + ... + a^k extra tokens
         on average (the first mismatch ends the run)."""
         base = self.step_seconds(rows)
-        per_token = base / rows
+        per_token = (base + overhead) / rows
         best_k, best_saving = 0, 0.0
         extra = 0.0
         for k in range(1, available + 1):

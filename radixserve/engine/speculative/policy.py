@@ -33,6 +33,8 @@ TABLE_ENTRIES = 65_536
 # Acceptance assumed for a request's first drafts under `auto`, as if from this many tokens.
 PRIOR_ACCEPTANCE = 0.5
 PRIOR_WEIGHT = 4
+# Weight of one decode step in the running estimate of a step's time beside the forward.
+OVERHEAD_SMOOTHING = 0.1
 
 
 class SpeculatingRequest(DraftSource, Protocol):
@@ -41,6 +43,7 @@ class SpeculatingRequest(DraftSource, Protocol):
     matcher: object | None
     spec_drafted: int
     spec_accepted: int
+    spec_rejections: int
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,10 @@ class Speculation:
         self.ngram = NgramDrafter()
         self.suffix = SuffixDrafter(NamespaceTable(2, 4, span=16, capacity=TABLE_ENTRIES))
         self.counters = SpeculationCounters()
+        # Seconds a decode step spends beside the forward the cost model timed (scheduling,
+        # sampling, detokenizing), a running estimate: on a small model it is as long as the
+        # forward, and a drafted token saves its share of it.
+        self.overhead = 0.0
 
     def method_of(self, params: SamplingParams) -> str:
         return params.speculative or self.settings.method
@@ -78,16 +85,24 @@ class Speculation:
         drafter: Drafter = self.ngram if method == "ngram" else self.suffix
         draft = drafter.propose(request, k)
         if method == "auto" and draft and self.cost is not None:
-            acceptance = ((request.spec_accepted + PRIOR_ACCEPTANCE * PRIOR_WEIGHT)
-                          / (request.spec_drafted + PRIOR_WEIGHT))
-            draft = draft[: self.cost.best_draft_length(max(rows, 1), acceptance, len(draft))]
+            draft = draft[: self.cost.best_draft_length(max(rows, 1), acceptance_of(request),
+                                                        len(draft), self.overhead)]
         self.counters.draft_seconds += time.perf_counter() - started
         return draft
 
     def verified(self, request: SpeculatingRequest, drafted: int, accepted: int) -> None:
         request.spec_drafted += drafted
         request.spec_accepted += accepted
+        request.spec_rejections += accepted < drafted
         self.counters.record(drafted, accepted)
+
+    def observe_step(self, seconds: float, rows: int) -> None:
+        """A decode step's wall time at `rows` rows (no prefill in it): what the forward at
+        those rows does not explain updates the overhead estimate."""
+        if self.cost is None or rows <= 0:
+            return
+        beside = max(seconds - self.cost.step_seconds(rows), 0.0)
+        self.overhead += OVERHEAD_SMOOTHING * (beside - self.overhead)
 
     def finished(self, request: SpeculatingRequest) -> None:
         """Feeds a finished request's verified tokens to its namespace's shared table, where
@@ -96,3 +111,11 @@ class Speculation:
         if self.method_of(request.params) in ("suffix", "auto") and \
                 len(request.token_ids) > prompt_len:
             self.suffix.learn(request.namespace, request.token_ids, prompt_len)
+
+
+def acceptance_of(request: SpeculatingRequest) -> float:
+    """The request's per-token acceptance so far, with the prior: each verified draft token
+    is a trial that ends at the first rejection, so tokens after it were never tried (counting
+    accepted over drafted tokens would call a draft of 8 whose 7th missed 0.75, not 0.86)."""
+    return ((request.spec_accepted + PRIOR_ACCEPTANCE * PRIOR_WEIGHT)
+            / (request.spec_accepted + request.spec_rejections + PRIOR_WEIGHT))
