@@ -12,10 +12,11 @@ workload in every mode, one after another, so that the machine's drift (tens of 
 minutes on shared CPUs) falls on all modes alike. Reported: each figure's median over the
 rounds, and each mode's speed-up as the median of its per-round ratios to `off`.
 
-Workloads: code-edit (a source file of this repository returned with one rename), rag-quote
-(answer by quoting a document), agent (a tool loop whose next call repeats arguments seen
-earlier, 4 at once), unique-chat (nothing to copy; 1 and 16 at once), short-c32 (32 short
-requests at once).
+Workloads: code-edit (a ~600-token source file of this repository returned whole with one
+rename), rag-quote (answer by quoting a document), agent (4 tool loops at once, 3 turns each,
+every call repeating arguments seen earlier), unique-chat (nothing to copy; 1 and 16 at once),
+short-c32 (32 short requests at once). The engines keep their prefix cache on (the default),
+as llama-server keeps its prompt cache: the agent's later turns extend its earlier ones.
 """
 
 from __future__ import annotations
@@ -47,12 +48,19 @@ class Workload:
     name: str
     conversations: list[list[dict[str, str]]]  # sent at once
     max_tokens: int
+    # Later turns: each conversation gets its reply and then this message, and goes again.
+    follow_ups: tuple[str, ...] = ()
+
+
+# A 597-token file of this repository (in the default model's tokens), returned whole.
+CODE_EDIT_FILE = "radixserve/engine/heartbeat.py"
+CODE_EDIT_TOKENS = 640
 
 
 def _code_edit() -> list[list[dict[str, str]]]:
-    source = (REPO / "radixserve/engine/speculative/verify.py").read_text()
-    ask = ("Return this Python file unchanged except that the function `accept_greedy` is "
-           "renamed to `accept_longest_prefix`. Output only the file.\n\n" + source)
+    source = (REPO / CODE_EDIT_FILE).read_text()
+    ask = ("Return this Python file unchanged except that the method `step_running_s` is "
+           "renamed to `current_step_seconds`. Output only the file.\n\n" + source)
     return [[{"role": "user", "content": ask}]]
 
 
@@ -79,6 +87,11 @@ def _agent(users: int) -> list[list[dict[str, str]]]:
     return conversations
 
 
+# The agent's next turns: each tool result asks for the call again (a loop re-reading a file).
+AGENT_FOLLOW_UPS = ("Tool result: 120 lines read. Repeat the same call exactly, as JSON.",
+                    "Tool result: the file changed. Repeat the same call exactly, as JSON.")
+
+
 def _unique(users: int) -> list[list[dict[str, str]]]:
     topics = ["rivers", "volcanoes", "bread", "chess", "owls", "glass", "tides", "maps",
               "bees", "clocks", "salt", "kites", "moss", "comets", "violins", "deserts"]
@@ -88,8 +101,9 @@ def _unique(users: int) -> list[list[dict[str, str]]]:
 
 def workloads(quick: bool) -> list[Workload]:
     out = 48 if quick else 256
-    runs = [Workload("code-edit", _code_edit(), out), Workload("rag-quote", _rag_quote(), out),
-            Workload("agent-c4", _agent(4), min(out, 64)),
+    runs = [Workload("code-edit", _code_edit(), 48 if quick else CODE_EDIT_TOKENS),
+            Workload("rag-quote", _rag_quote(), out),
+            Workload("agent-c4", _agent(4), min(out, 64), AGENT_FOLLOW_UPS),
             Workload("unique-chat-c1", _unique(1), out)]
     if not quick:
         runs += [Workload("unique-chat-c16", _unique(16), 64),
@@ -99,8 +113,7 @@ def workloads(quick: bool) -> list[Workload]:
 
 def load(mode: str, args: argparse.Namespace) -> LLM:
     llm = LLM(args.model, speculative=mode, num_speculative_tokens=args.k,
-              num_threads=args.threads, show_progress=False, prefix_cache="off",
-              kv_cache_tokens=8192)
+              num_threads=args.threads, show_progress=False, kv_cache_tokens=8192)
     # First calls load kernels and build per-shape state: not part of any figure.
     llm.chat(_code_edit(), SamplingParams(max_tokens=32, temperature=0), use_tqdm=False)
     return llm
@@ -111,22 +124,31 @@ def run_radixserve(mode: str, llm: LLM, workload: Workload, namespace: str) -> d
     before = (counters.steps, counters.drafts, counters.accepted_tokens,
               counters.draft_seconds, counters.speculative_steps)
     params = SamplingParams(max_tokens=workload.max_tokens, temperature=0)
+    conversations = workload.conversations
+    tokens, decode_tokens, decode_seconds = 0, 0, 0.0
+    results: list[Any] = []
     started = time.perf_counter()
-    # A namespace per workload and round: `suffix` and `auto` must not copy what an earlier
-    # round, or another workload asking the same, said.
-    results = llm.chat(workload.conversations, params, use_tqdm=False, cache_salt=namespace)
+    for follow_up in (None, *workload.follow_ups):
+        if follow_up is not None:
+            conversations = [c + [{"role": "assistant", "content": r.outputs[0].text},
+                                  {"role": "user", "content": follow_up}]
+                             for c, r in zip(conversations, results, strict=True)]
+        # A namespace per workload and round: `suffix` and `auto` must not copy what an
+        # earlier round, or another workload asking the same, said.
+        results = llm.chat(conversations, params, use_tqdm=False, cache_salt=namespace)
+        tokens += sum(len(r.outputs[0].token_ids) for r in results)
+        # Decode alone (first token to last), the part speculation changes.
+        decode_tokens += sum(len(r.outputs[0].token_ids) - 1 for r in results)
+        decode_seconds += (max(r.metrics.finished_time for r in results)
+                           - min(r.metrics.first_token_time for r in results))
     seconds = time.perf_counter() - started
-    tokens = sum(len(r.outputs[0].token_ids) for r in results)
-    # Decode alone (first token to last), the part speculation changes.
-    first = min(r.metrics.first_token_time for r in results)
-    last = max(r.metrics.finished_time for r in results)
     steps = counters.steps - before[0]
     drafts = counters.drafts - before[1]
     accepted = counters.accepted_tokens - before[2]
     row = {
         "system": "radixserve", "mode": mode, "workload": workload.name,
         "output_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-        "decode_tokens_per_s": (tokens - len(results)) / max(last - first, 1e-9),
+        "decode_tokens_per_s": decode_tokens / max(decode_seconds, 1e-9),
         "acceptance_length": 1 + accepted / drafts if drafts else None,
         "speculative_step_share": (counters.speculative_steps - before[4]) / max(steps, 1),
         "drafter_ms_per_step": (counters.draft_seconds - before[3]) / max(steps, 1) * 1e3,
@@ -177,10 +199,18 @@ def run_llama_server(spec_type: str, runs: list[Workload], args: argparse.Namesp
                 # One at a time even where the workload sends several at once: its slots
                 # would share the machine's 2 cores either way (a lower bound for it).
                 for messages in workload.conversations:
-                    body = client.post("/v1/chat/completions", json={
-                        "model": MODEL_NAME, "messages": messages, "temperature": 0,
-                        "max_tokens": workload.max_tokens, "cache_prompt": False}).json()
-                    tokens += body["usage"]["completion_tokens"]
+                    reply = ""
+                    for follow_up in (None, *workload.follow_ups):
+                        if follow_up is not None:
+                            messages = messages + [
+                                {"role": "assistant", "content": reply},
+                                {"role": "user", "content": follow_up}]
+                        # Its prompt cache on (its default), as radixserve's prefix cache is.
+                        body = client.post("/v1/chat/completions", json={
+                            "model": MODEL_NAME, "messages": messages, "temperature": 0,
+                            "max_tokens": workload.max_tokens}).json()
+                        tokens += body["usage"]["completion_tokens"]
+                        reply = body["choices"][0]["message"]["content"]
             seconds = time.perf_counter() - started
             rows.append({"system": "llama-server", "mode": spec_type,
                          "workload": workload.name, "output_tokens": tokens,
