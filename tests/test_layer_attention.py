@@ -264,3 +264,15 @@ def test_the_model_default_window_still_applies_without_a_layer_attention():
     assert torch.equal(got, attention.forward(q, k, v, cache, plan, LayerAttention(window=8)))
     want = _reference_step(q, cache, rows, LayerAttention(window=8))
     assert (got.double() - want).abs().max().item() < 3e-5
+
+
+def test_a_windowed_chunk_reads_only_the_keys_its_rows_can_see():
+    # A 400-token chunk after 1,500 cached tokens, in a 512-token window's layer: its first
+    # row sees positions 989..1,500, so 911 keys are read and scored, not 1,900.
+    backend = choose_backend("prefill", "sdpa", _env(torch.float32))
+    span = SequenceSpan(Table(list(range(SLOTS))), 0, 400, 1500)
+    (windowed,) = backend.plan([span], 512)
+    assert windowed.mask is not None and windowed.mask.shape == (400, 911)
+    assert windowed.mask[0].sum() == 512 and windowed.mask[0, 0] and windowed.mask[-1, -1]
+    (full,) = backend.plan([span], None)  # a global layer reads the whole context
+    assert full.mask is not None and full.mask.shape == (400, 1900)

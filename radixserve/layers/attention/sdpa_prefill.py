@@ -44,10 +44,14 @@ class SdpaPrefill(AttentionBackend):
         device = self.env.device
         first, context = span.first, span.context
         windowed = bool(window) and context > window  # type: ignore[operator]
+        # Under a sliding window no row of the chunk sees a position before `lo`: those keys
+        # are neither gathered nor scored (a 400-token chunk after 5,000 cached tokens reads
+        # 912 keys in a 512-token window's layer, not 5,400).
+        lo = max(first - window + 1, 0) if windowed and first else 0  # type: ignore[operator]
         mask = None
         if first != 0 or windowed:
             rows = torch.arange(first, context).unsqueeze(1)
-            cols = torch.arange(context).unsqueeze(0)
+            cols = torch.arange(lo, context).unsqueeze(0)
             mask = cols <= rows
             if window:
                 mask &= cols > rows - window
@@ -56,7 +60,7 @@ class SdpaPrefill(AttentionBackend):
             start=span.start,
             length=span.length,
             context=None if first == 0
-            else self.gathers.plan([span.table.slots[:context]], context),
+            else self.gathers.plan([span.table.slots[lo:context]], context - lo),
             mask=mask,
             plain_causal_from=None if windowed else first,
         )
