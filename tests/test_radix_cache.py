@@ -421,6 +421,21 @@ def test_pin_survives_eviction_until_the_clock_passes_expiry() -> None:
     assert cache.evict(100) == 2
 
 
+def test_pins_yield_the_soonest_to_end_first_and_leaves_first() -> None:
+    clock = FakeClock()
+    cache, pool = make_radix(clock=clock)
+    cache.pin(put(cache, pool, [1, 2, 3]).handle, expires_at=30.0)
+    cache.pin(put(cache, pool, [7, 8]).handle, expires_at=10.0)
+    cache.pin(cache.match_prefix(None, [1, 2]).handle, expires_at=40.0)  # [1, 2] outlives [3]
+    assert cache.stats().pinned_tokens == 5
+    assert cache.yield_pins(1) == 2  # [7, 8] ends soonest, and goes whole
+    assert cache.stats().pinned_tokens == 3 and cache.evict(100) == 2
+    assert cache.yield_pins(1) == 1  # then the leaf [3], before its longer-pinned parent
+    assert cache.stats().pinned_tokens == 2 and cache.match_prefix(None, [1, 2, 3]).length == 3
+    assert cache.yield_pins(100) == 2 and cache.stats().pinned_tokens == 0
+    assert cache.evict(100) == 3 and cache.yield_pins(1) == 0
+
+
 def test_repin_extends_and_never_shortens() -> None:
     clock = FakeClock()
     cache, pool = make_radix(clock=clock)

@@ -170,6 +170,28 @@ def test_pins_protect_a_prefix_until_expiry():
     assert scheduler.cache.match_prefix(None, list(range(1000, 1100))).length < 100
 
 
+def test_pins_give_way_to_a_request_nothing_else_can_make_room_for():
+    scheduler, clock = _scheduler(pool_tokens=256, max_num_batched_tokens=512)
+    pinned = _request("pinned", list(range(1000, 1100)), clock)
+    pinned.pins = [(100, 300.0)]
+    scheduler.add(pinned)
+    _drain(scheduler)
+    # A 200-token prompt fits the pool, not the 156 tokens beside the pin; nothing runs that
+    # could free more: it starts now, not once the pin's 300 s are over.
+    big = _request("big", list(range(7000, 7200)), clock)
+    running = _request("running", list(range(9000, 9010)), clock, max_tokens=3)
+    scheduler.add(running)
+    step(scheduler)
+    scheduler.add(big)
+    step(scheduler)  # something runs: the pin holds, and the prompt waits for it to finish
+    assert big.num_computed == 0 and scheduler.cache.stats().pinned_tokens >= 100
+    for _ in range(20):  # (the clock stands still: waiting out the pin would never end)
+        step(scheduler)
+    assert big.status.name == "FINISHED" and not scheduler.has_work()
+    assert scheduler.cache.match_prefix(None, list(range(1000, 1100))).length < 100
+    _check_balance(scheduler)
+
+
 def _steps_until_first_token(scheduler: Scheduler, request: Request, limit: int = 100) -> int:
     for steps in range(1, limit + 1):
         step(scheduler)

@@ -156,6 +156,12 @@ class PrefixCache(Protocol):
         """Frees at least `num_tokens` slots if it can (LRU unlocked leaves); returns how many."""
         ...
 
+    def yield_pins(self, num_tokens: int) -> int:
+        """Ends pins early, the soonest to end first, until `num_tokens` pinned tokens are
+        evictable again or no pin is left; returns how many were. For a request that nothing
+        else can make room for: a pin keeps a prefix cheap to reuse, never a request waiting."""
+        ...
+
     def stats(self) -> CacheStats: ...
 
     def record_use(self, handle: CacheHandle | None) -> None:

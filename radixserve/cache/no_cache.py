@@ -54,6 +54,9 @@ class NoCache:
     def evict(self, num_tokens: int) -> int:
         return 0
 
+    def yield_pins(self, num_tokens: int) -> int:
+        return 0
+
     def stats(self) -> CacheStats:
         return CacheStats(0, 0, 0, 0, 0, 0)
 

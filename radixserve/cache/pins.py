@@ -100,6 +100,11 @@ class PinBook(Generic[EntryT]):
         """Yields entries whose pin ran out (`now > pinned_until`); the caller unpins each."""
         yield from self._pop_while(self._by_expiry, lambda: self._by_expiry[0][0] < now)
 
+    def ending_first(self) -> Iterator[EntryT]:
+        """Yields every live pin, the soonest to end first, one per request; the caller
+        unpins each it takes."""
+        yield from self._pop_while(self._by_expiry, lambda: True)
+
     def over_bound(self) -> Iterator[EntryT]:
         """Yields the oldest pins while over `max_tokens`; the caller unpins each."""
         bound = self.max_tokens

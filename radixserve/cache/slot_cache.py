@@ -63,6 +63,15 @@ class SlotCache(ABC, Generic[EntryT]):
         for entry in self._pins.expired(now):
             self._unpin(entry)
 
+    def yield_pins(self, num_tokens: int) -> int:
+        self._expire_pins(self._clock())
+        released = 0
+        pins = self._pins.ending_first()  # leaves first: an ancestor ends no sooner
+        while released < num_tokens and (entry := next(pins, None)) is not None:
+            released += entry.num_tokens
+            self._unpin(entry)
+        return released
+
     def stats(self) -> CacheStats:
         self._expire_pins(self._clock())
         evictable, protected, pinned, entries = self._counts()

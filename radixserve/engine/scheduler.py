@@ -292,10 +292,15 @@ class Scheduler:
                 return False
         return True
 
-    def _allocate_pages(self, num_pages: int, request: Request) -> bool:
+    def _allocate_pages(self, num_pages: int, request: Request, idle: bool = False) -> bool:
         short = num_pages * self.page_size - self.allocator.free_slots
         if short > 0:
-            self.cache.evict(short)
+            short -= self.cache.evict(short)
+            if short > 0 and idle:
+                # Nothing runs that could free slots: the pins that hold them end early,
+                # rather than the request waiting out their TTL.
+                self.cache.yield_pins(short)
+                self.cache.evict(short)
         try:
             request.slots.extend(self.allocator.allocate(num_pages))
         except OutOfSlots:
@@ -431,7 +436,8 @@ class Scheduler:
         request.cache_handle = match.handle
         request.num_computed = match.length
         self.window_kv.adopt(request)
-        if not self._allocate_pages(need_pages, request):
+        if not self._allocate_pages(need_pages, request,
+                                    idle=not self.running and not len(self.loading)):
             self._release(request, publish=False)
             return None
         self.waiting.remove(request)
