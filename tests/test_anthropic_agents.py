@@ -298,6 +298,22 @@ def test_what_is_not_applied_is_said_in_a_header(client: anthropic.Anthropic) ->
     assert raw.headers["x-radixserve-not-applied"] == (
         "metadata, anthropic-beta=interleaved-thinking-2025-05-14")
     assert raw.headers["x-radixserve-thinking"].startswith("ignored")
+    # A field this server does not know is named too, never dropped unsaid.
+    raw = client.messages.with_raw_response.create(
+        model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "Hi."}],
+        extra_body={"inference_speed": "fast"})
+    assert raw.headers["x-radixserve-not-applied"] == "inference_speed"
+
+
+@pytest.mark.parametrize("field, value", [
+    ("mcp_servers", [{"type": "url", "url": "https://example.invalid/mcp", "name": "x"}]),
+    ("container", "container_1"),
+])
+def test_server_side_tool_features_are_refused(client: anthropic.Anthropic, field: str,
+                                               value: Any) -> None:
+    with pytest.raises(anthropic.BadRequestError, match=field):
+        client.messages.create(model=MODEL, max_tokens=2, extra_body={field: value},
+                               messages=[{"role": "user", "content": "Hi."}])
 
 
 def test_a_system_message_in_the_conversation_is_rendered_until_cleared(

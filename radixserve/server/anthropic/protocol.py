@@ -67,7 +67,8 @@ class CountTokensRequest(StrictModel):
 
 
 class MessagesRequest(CountTokensRequest):
-    """POST /v1/messages. Unknown fields are accepted and ignored, as the SDK may add some."""
+    """POST /v1/messages. Unknown fields are accepted, as the SDK may add some, and named in
+    the not-applied header (field_audit.py)."""
 
     max_tokens: int = Field(ge=0)
     stop_sequences: list[str] | None = None
