@@ -151,13 +151,19 @@ def test_preemption_releases_and_requeues_without_leaks():
     assert scheduler.allocator.free_slots + stats.evictable_tokens == scheduler.allocator.num_slots
 
 
-def test_pins_protect_a_prefix_until_expiry():
+def _with_a_pin() -> tuple[Scheduler, FakeClock]:
+    """A 256-token pool whose first 100 tokens, tokens 1000-1099, are pinned for 300 s."""
     scheduler, clock = _scheduler(pool_tokens=256, max_num_batched_tokens=512)
     pinned = _request("pinned", list(range(1000, 1100)), clock)
     pinned.pins = [(100, 300.0)]
     scheduler.add(pinned)
     _drain(scheduler)
     assert scheduler.cache.stats().pinned_tokens >= 100
+    return scheduler, clock
+
+
+def test_pins_protect_a_prefix_until_expiry():
+    scheduler, clock = _with_a_pin()
     # Unrelated traffic that needs the whole rest of the pool evicts everything unpinned.
     for i in range(3):
         scheduler.add(_request(f"other{i}", list(range(5000 + 200 * i, 5000 + 200 * i + 140)), clock))
@@ -165,17 +171,14 @@ def test_pins_protect_a_prefix_until_expiry():
     probe = scheduler.cache.match_prefix(None, list(range(1000, 1100)))
     assert probe.length == 100
     clock.now += 301  # past the TTL: the pin stops protecting
+    assert scheduler.cache.stats().pinned_tokens == 0
     scheduler.add(_request("late", list(range(7000, 7200)), clock))  # needs the pinned pages
     _drain(scheduler)
     assert scheduler.cache.match_prefix(None, list(range(1000, 1100))).length < 100
 
 
 def test_pins_give_way_to_a_request_nothing_else_can_make_room_for():
-    scheduler, clock = _scheduler(pool_tokens=256, max_num_batched_tokens=512)
-    pinned = _request("pinned", list(range(1000, 1100)), clock)
-    pinned.pins = [(100, 300.0)]
-    scheduler.add(pinned)
-    _drain(scheduler)
+    scheduler, clock = _with_a_pin()
     # A 200-token prompt fits the pool, not the 156 tokens beside the pin; nothing runs that
     # could free more: it starts now, not once the pin's 300 s are over.
     big = _request("big", list(range(7000, 7200)), clock)
