@@ -50,13 +50,11 @@ def server(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 @pytest.fixture(scope="module")
 def keyed(server: ServerProcess, tmp_path_factory: pytest.TempPathFactory
           ) -> Iterator[ServerProcess]:
-    """Replicas behind an API key, routed by power of two choices, each taking one request at
-    a time (a second waits in the router until one is free), on the module's cluster: the auth
-    test's server, the routing tests' baseline and the router-queue test's deployment (one
-    deployment for all three: each start loads the model twice)."""
+    """Replicas behind an API key, routed by power of two choices, on the module's cluster:
+    the auth test's server and the routing tests' baseline (Responses' and the prefix
+    router's)."""
     with running_server(tmp_path_factory, *REPLICA_FLAGS, "--ray-address", "auto",
-                        "--api-key", KEY, "--router", "pow2", "--replica-max-ongoing", "1",
-                        name="keyed") as proc:
+                        "--api-key", KEY, "--router", "pow2", name="keyed") as proc:
         yield proc
 
 
@@ -275,11 +273,10 @@ def test_tenants_prefixes_are_not_shared_across_salts(
         assert again == home  # its own tenant still follows the prefix
 
 
-def _stream_until(base_url: str, body: dict[str, Any], stop: threading.Event,
-                  headers: dict[str, str] | None = None) -> None:
+def _stream_until(base_url: str, body: dict[str, Any], stop: threading.Event) -> None:
     """A streamed completion, read until it ends or `stop` is set (then abandoned)."""
-    with httpx.stream("POST", base_url + "/v1/completions", json=body, headers=headers,
-                      timeout=300, trust_env=False) as r:
+    with httpx.stream("POST", base_url + "/v1/completions", json=body, timeout=300,
+                      trust_env=False) as r:
         assert r.status_code == 200
         for _ in r.iter_lines():
             if stop.is_set():
@@ -363,22 +360,34 @@ def test_responses_continuations_follow_their_owner_under_power_of_two(
         for question in ("On a lead?", "In the cabin?", "And cats?", "And birds?"):
             replica, r = turn(question, r.id)
             assert replica == home  # by chance alone: 1 in 16 over these four turns
+    # A continuation routed to its owner releases the load it was counted for, as any does.
+    _until(lambda: [r["routed_in_flight"] for r in _replicas(keyed, AUTH)] == [0, 0])
+
+
+@pytest.fixture
+def one_each(server: ServerProcess, tmp_path_factory: pytest.TempPathFactory
+             ) -> Iterator[ServerProcess]:
+    """Replicas that take one request at a time, on the module's cluster: a second request
+    waits in the router until one is free. A fresh deployment: the test needs both replicas
+    idle when its two holders arrive."""
+    with running_server(tmp_path_factory, *REPLICA_FLAGS, "--ray-address", "auto",
+                        "--replica-max-ongoing", "1", name="one_each") as proc:
+        yield proc
 
 
 def test_a_request_whose_caller_leaves_before_it_is_sent_releases_its_load(
-    keyed: ServerProcess,
+    one_each: ServerProcess,
 ) -> None:
-    url = keyed.base_url
+    url = one_each.base_url
     stop = threading.Event()
 
     def hold(i: int) -> None:
         # Long enough to outlast the test on a fast CPU; abandoned once it is done.
         _stream_until(url, {"model": MODEL, "prompt": f"Story {i}:", "max_tokens": 3000,
-                            "temperature": 0, "ignore_eos": True, "stream": True}, stop,
-                      AUTH)
+                            "temperature": 0, "ignore_eos": True, "stream": True}, stop)
 
     def in_flight() -> list[int]:
-        return [r["routed_in_flight"] for r in _replicas(keyed, AUTH)]
+        return [r["routed_in_flight"] for r in _replicas(one_each)]
 
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         holders = [pool.submit(hold, i) for i in range(2)]
@@ -387,7 +396,7 @@ def test_a_request_whose_caller_leaves_before_it_is_sent_releases_its_load(
             # Both replicas are full: this request waits to be routed, and its caller leaves.
             with pytest.raises(httpx.TimeoutException):
                 httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Hi",
-                           "max_tokens": 2}, headers=AUTH, timeout=1.5, trust_env=False)
+                           "max_tokens": 2}, timeout=1.5, trust_env=False)
             _until(lambda: in_flight() == [1, 1])
         finally:
             stop.set()
@@ -396,7 +405,7 @@ def test_a_request_whose_caller_leaves_before_it_is_sent_releases_its_load(
     wait_idle(url)
     # It was never sent, so no completion released it: the router must have seen it go.
     _until(lambda: in_flight() == [0, 0])
-    assert _complete(url, "Hi", max_tokens=2, headers=AUTH)["usage"]["completion_tokens"] == 2
+    assert _complete(url, "Hi", max_tokens=2)["usage"]["completion_tokens"] == 2
     _until(lambda: in_flight() == [0, 0])  # Serve reports the finish just after the reply
 
 
