@@ -322,32 +322,31 @@ class LLMEngine:
         if self.scheduler.has_work():
             raise RuntimeError("prompt_logits needs an idle engine")
         self.check_prompt(token_ids, SamplingParams(max_tokens=0))
-        request = Request("logits", list(token_ids), SamplingParams(max_tokens=1))
-        pages = -(-len(token_ids) // self.pool.page_size)
-        self.cache.evict(pages * self.pool.page_size - self.pool.allocator.free_slots)
-        self._publish_kv_events()
-        request.slots = self.pool.allocator.allocate(pages)
-        try:
-            if self.window_kv.reserve(request, len(token_ids)) < len(token_ids):
-                raise ValueError(f"prompt_logits: {len(token_ids)} tokens do not fit the "
-                                 "sliding-window layers' pool at once")
-            plan = SchedulerOutput(prefills=[ScheduledChunk(request, len(token_ids))])
-            return self.runner.forward(plan)[0][0]
-        finally:
-            self.window_kv.release(request)
-            self.pool.allocator.release(request.slots)
+        return self._forward_uncached([token_ids])[0]
 
     def _timed_forward(self, rows: int) -> None:
         """One uncached forward of `rows` one-token requests, each with its logits: the rows
         and logits of a decode or verify step (the speculation cost model's probe)."""
-        requests = [Request(f"probe-{i}", [(7 * i + 1) % self.model_config.vocab_size],
-                            SamplingParams(max_tokens=1)) for i in range(rows)]
+        self._forward_uncached([[(7 * i + 1) % self.model_config.vocab_size]
+                                for i in range(rows)])
+
+    def _forward_uncached(self, prompts: list[list[int]]) -> torch.Tensor:
+        """Float32 logits at each prompt's last token, from one forward that prefills every
+        prompt whole as a request of its own, cache unread; holds no KV afterwards."""
+        page_size = self.pool.page_size
+        requests = [Request(f"uncached-{i}", list(ids), SamplingParams(max_tokens=1))
+                    for i, ids in enumerate(prompts)]
+        pages = [-(-len(ids) // page_size) for ids in prompts]
+        self.cache.evict(sum(pages) * page_size - self.pool.allocator.free_slots)
+        self._publish_kv_events()
         try:
-            for request in requests:
-                request.slots = self.pool.allocator.allocate(1)
-                self.window_kv.reserve(request, 1)
-            self.runner.forward(SchedulerOutput(
-                prefills=[ScheduledChunk(request, 1) for request in requests]))
+            for request, n in zip(requests, pages, strict=True):
+                request.slots = self.pool.allocator.allocate(n)
+                if self.window_kv.reserve(request, request.num_tokens) < request.num_tokens:
+                    raise ValueError(f"prompt_logits: {request.num_tokens} tokens do not fit "
+                                     "the sliding-window layers' pool at once")
+            return self.runner.forward(SchedulerOutput(
+                prefills=[ScheduledChunk(r, r.num_tokens) for r in requests]))[0]
         finally:
             for request in requests:
                 self.window_kv.release(request)
