@@ -3,9 +3,18 @@ word bank, and a real server with an `openai` client for modules that need no sp
 (a module that defines its own `server` or `client` uses that instead). The helpers behind
 them live in tests/support."""
 
+# ruff: noqa: E402 (the environment is set before the imports that load torch)
 from __future__ import annotations
 
 import os
+
+# Before torch loads OpenMP (which reads it once): the suite runs two workers and their server
+# processes on two cores, so a thread waiting between parallel regions must sleep, not spin on
+# a core another process needs (spinning made four of its modules 1.5-2.4x slower, side by
+# side). Servers inherit it; a
+# value set outside wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 from collections.abc import Iterator
 from pathlib import Path
 

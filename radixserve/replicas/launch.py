@@ -177,14 +177,19 @@ def _deploy(args: argparse.Namespace, config: EngineConfig, settings: ServerSett
     # The job's runtime environment, which Serve would otherwise give the replicas itself.
     runtime_env = dict(ray.get_runtime_context().runtime_env or {})
     env_vars = dict(runtime_env.get("env_vars") or {})
-    if threads > cpus and "OMP_WAIT_POLICY" not in {**os.environ, **env_vars}:
-        # More threads than the replica's CPUs: its cores are shared with other replicas, so
-        # OpenMP workers waiting between parallel regions sleep instead of spinning on a core
-        # another replica's threads need (read when the replica's process starts).
-        actor_options["runtime_env"] = {**runtime_env,
-                                        "env_vars": {**env_vars, "OMP_WAIT_POLICY": "PASSIVE"}}
+    # OpenMP's wait policy, read when a replica's process starts: the job's, else this
+    # process's (a replica on a cluster started elsewhere does not inherit it), else PASSIVE
+    # when a replica has more threads than CPUs: its cores are shared with other replicas,
+    # so workers waiting between parallel regions sleep instead of spinning on a core
+    # another replica's threads need.
+    policy = env_vars.get("OMP_WAIT_POLICY") or os.environ.get("OMP_WAIT_POLICY")
+    if policy is None and threads > cpus:
+        policy = "PASSIVE"
         logger.info("replicas run %d threads on %g CPUs each: OpenMP waits passively",
                     threads, cpus)
+    if policy is not None:
+        actor_options["runtime_env"] = {**runtime_env,
+                                        "env_vars": {**env_vars, "OMP_WAIT_POLICY": policy}}
     kwargs: dict[str, Any] = {"ingress_key": app_name}
     if args.router == "prefix":
         kwargs.update(imbalance_threshold=args.router_imbalance_threshold,

@@ -59,10 +59,11 @@ class ServerProcess:
 
 def start_server(
     args: list[str], log_path: Path, startup_timeout_s: float = 300.0,
-    env: dict[str, str] | None = None, wait_ready: bool = True,
+    env: dict[str, str | None] | None = None, wait_ready: bool = True,
 ) -> ServerProcess:
     """Starts `python -m radixserve.cli serve --port <free> ARGS`; raises if it is not ready
     (/health/ready: warm-up done) within `startup_timeout_s` (the log is in the message).
+    `env` adds to this process's environment (None removes a variable).
     `wait_ready=False` returns once it is live (/health), while it may still be warming up."""
     port = free_port()
     command = [sys.executable, "-m", "radixserve.cli", "serve", "--host", "127.0.0.1",
@@ -70,7 +71,8 @@ def start_server(
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
-                                   env={**os.environ, **(env or {})})
+                                   env={k: v for k, v in {**os.environ, **(env or {})}.items()
+                                        if v is not None})
     server = ServerProcess(process, port, log_path)
     deadline = time.monotonic() + startup_timeout_s
     while time.monotonic() < deadline:

@@ -18,10 +18,11 @@ CLIENT_TIMEOUT_S = 300
 
 @contextlib.contextmanager
 def running_server(tmp_path_factory: pytest.TempPathFactory, *flags: str,
-                   name: str = "server") -> Iterator[ServerProcess]:
+                   name: str = "server", env: dict[str, str | None] | None = None,
+                   ) -> Iterator[ServerProcess]:
     """`radixserve serve` on the default model with a small pool, 2 threads, invariant
     checks and its own Responses store, plus `flags` (a later flag wins over a default); it
-    must stop cleanly and log no serious error."""
+    must stop cleanly and log no serious error. `env` as start_server's."""
     directory = tmp_path_factory.mktemp(name)
     # A Responses store of its own, not the one in the user's cache home. No queue-wait bound:
     # these suites check serving, and a busy 2-core machine's measured prefill rate would
@@ -29,7 +30,7 @@ def running_server(tmp_path_factory: pytest.TempPathFactory, *flags: str,
     proc = start_server(["--kv-cache-tokens", "8192", "--num-threads", "2", "--debug-invariants",
                          "--no-access-log", "--responses-dir", str(directory / "responses"),
                          "--max-queue-wait", "0", *flags],
-                        directory / "server.log")
+                        directory / "server.log", env=env)
     yield proc
     assert proc.stop() == 0, proc.log()
     assert not proc.serious_errors(), proc.log()
