@@ -114,6 +114,9 @@ class EngineConfig:
     grammar_int64_integers: bool = True
     grammar_max_number_chars: int = 24
     grammar_max_whitespace_run: int = 64
+    # Jump forward: text a grammar forces (a forced call's opening and name, a schema's keys)
+    # is taken as tokens at once and computed in one chunk, not sampled one step at a time.
+    grammar_jump_forward: bool = True
     # Speculative decoding without a draft model (radixserve/engine/speculative): one of
     # SPECULATIVE_METHODS, drafting up to num_speculative_tokens per request and step. Off by
     # default until the benchmark's figures say which default pays (BENCHMARKS.md).

@@ -123,7 +123,9 @@ class LLM:
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Generating", disable=not (use_tqdm and self.engine.config.show_progress))
         try:
-            while len(results) < len(ids):
+            # On past the last output while finished requests settle their tails' KV
+            # (Scheduler.settling), so the engine is idle when this returns.
+            while len(results) < len(ids) or engine.has_unfinished_requests():
                 for output in engine.step():
                     if output.finished:
                         results[output.request_id] = output

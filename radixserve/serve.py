@@ -84,7 +84,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     _events_flags(p.add_argument_group("KV cache events (for an external router: llm-d, Dynamo)"))
     add_replica_flags(p.add_argument_group(
         "replicas on Ray Serve (off unless --replicas is given; needs radixserve[ray])"))
-    _grammar_flags(p.add_argument_group("structured output value bounds"))
+    _grammar_flags(p.add_argument_group("structured output"))
     http = p.add_argument_group("HTTP")
     _http_flags(http)
     _accounting_flags(p.add_argument_group("prompt-cache accounting and cost"))
@@ -274,6 +274,11 @@ def _grammar_flags(grammar: argparse._ArgumentGroup) -> None:
                          default=EngineConfig.grammar_max_whitespace_run,
                          help="longest run of whitespace any constraint lets the model write, "
                               "unless the grammar requires more; 0: unbounded")
+    grammar.add_argument("--grammar-jump-forward", action=argparse.BooleanOptionalAction,
+                         default=EngineConfig.grammar_jump_forward,
+                         help="take the text a grammar forces (a forced call's name, a "
+                              "schema's keys) as tokens at once and compute them in one "
+                              "chunk, instead of one decode step per token")
 
 
 def _overload_flags(http: argparse._ArgumentGroup) -> None:

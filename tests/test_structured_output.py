@@ -1,6 +1,8 @@
 """Structured output in the engine (llguidance): the mask the sampler applies is the grammar's,
 constrained rows share steps with free ones without changing them, n samples each follow
-their own grammar state, compiled grammars are reused, and the prefix cache is unaffected.
+their own grammar state, compiled grammars are reused, and the prefix cache is unaffected;
+text the grammar forces is taken at once (jump forward), and what is sampled after it comes
+from the K/V its extend chunk computed.
 """
 
 from __future__ import annotations
@@ -16,8 +18,13 @@ from radixserve.engine.sampler import SamplerKernels, allowed_tokens, sample
 from radixserve.engine.sampling_rows import SampleRow
 from radixserve.kernels import token_bitmask_op
 from radixserve.sampling_params import SamplingParams, StructuredOutputsParams
-from radixserve.server.tool_calls.parsers import ToolCall
-from radixserve.server.tool_calls.tools import ToolSpec, call_check
+from radixserve.server.tool_calls.parsers import ToolCall, family_for_template
+from radixserve.server.tool_calls.tools import (
+    ToolChoice,
+    ToolSpec,
+    call_check,
+    forced_call_grammar,
+)
 
 pytestmark = [pytest.mark.model]
 
@@ -139,3 +146,132 @@ def test_free_calls_count_when_the_tool_exists_and_a_strict_schema_holds(llm: LL
     assert not accept(ToolCall("weather", "{}"))  # required property missing
     assert accept(ToolCall("note", '{"city": 7, "extra": true}'))  # not strict: any object
     assert not accept(ToolCall("forecast", '{"city": "Paris"}'))  # no such tool
+
+
+# ----- jump forward -----
+
+WEATHER = [ToolSpec("get_weather", {"type": "object", "properties": {
+    "city": {"type": "string", "maxLength": 20}}, "required": ["city"]})]
+CALL_PROMPT = [{"role": "user", "content": "What is the weather in Lisbon today?"}]
+
+
+def _forced_call(llm: LLM) -> StructuredOutputsParams:
+    family = family_for_template(llm.engine.tokenizer.chat_template)
+    return forced_call_grammar(WEATHER, ToolChoice("required", "get_weather", False), family)
+
+
+def _stepped(llm: LLM, prompt: list[int], params: SamplingParams) -> list[list[int]]:
+    """Runs one request alone; returns the output tokens each engine step added."""
+    engine = llm.engine
+    request_id = engine.add_request(prompt, params)
+    steps: list[list[int]] = []
+    have = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == request_id:
+                ids = out.outputs[0].token_ids
+                steps.append(ids[have:])
+                have = len(ids)
+    return steps
+
+
+def test_forced_text_is_taken_at_once_and_each_sampled_token_is_the_greedy_choice(
+    llm: LLM,
+) -> None:
+    engine = llm.engine
+    spec = _forced_call(llm)
+    prompt = engine.tokenizer.encode_chat(CALL_PROMPT)
+    params = SamplingParams(max_tokens=60, temperature=0, structured_outputs=spec)
+    before = engine.scheduler.counters.computed_prompt_tokens
+    steps = _stepped(llm, prompt, params)
+    output = [t for step in steps for t in step]
+    text = engine.tokenizer.decode(output)
+    assert engine.grammars.matches(spec, text), text
+    # The call's opening and name are forced: the prefill's step already has them, and the
+    # whole call took far fewer steps than tokens.
+    assert '"name":"get_weather"' in engine.tokenizer.decode(steps[0]), steps[0]
+    assert len(steps) < len(output) / 2, (len(steps), len(output))
+    # Forced tokens are output, not prompt: the prefill computed the prompt alone (the
+    # extends after it count nothing).
+    assert engine.scheduler.counters.computed_prompt_tokens - before <= len(prompt)
+    # Each step's first token was sampled from logits the extend chunks' K/V produced: it is
+    # the greedy choice under the grammar, by an uncached forward of everything before it.
+    matcher = engine.grammars.matcher(spec)
+    done: list[int] = []
+    for step in steps:
+        mask = torch.zeros(matcher.words, dtype=torch.int32)
+        matcher.fill_mask(mask)
+        logits = engine.prompt_logits(prompt + done)
+        allowed = allowed_tokens(mask, logits.shape[-1])
+        assert step[0] == int(logits.masked_fill(~allowed, float("-inf")).argmax())
+        for token in step:
+            assert matcher.accept(token)
+        done += step
+
+
+def test_jump_forward_off_samples_every_token_and_logprobs_turn_it_off(llm: LLM) -> None:
+    engine = llm.engine
+    spec = _forced_call(llm)
+    prompt = engine.tokenizer.encode_chat(CALL_PROMPT)
+    with_logprobs = _stepped(llm, prompt, SamplingParams(max_tokens=12, temperature=0,
+                                                         logprobs=0, structured_outputs=spec))
+    # A forced token has no sampled distribution: with logprobs asked, each is sampled.
+    assert [len(s) for s in with_logprobs] == [1] * 12
+    engine.postprocessor.jump_forward = False  # as --no-grammar-jump-forward sets it
+    try:
+        plain = _stepped(llm, prompt, SamplingParams(max_tokens=12, temperature=0,
+                                                     structured_outputs=spec))
+    finally:
+        engine.postprocessor.jump_forward = True
+    assert [len(s) for s in plain] == [1] * 12
+
+
+def test_forced_text_still_meets_max_tokens_and_a_fully_forced_output_ends_at_once(
+    llm: LLM,
+) -> None:
+    engine = llm.engine
+    spec = _forced_call(llm)
+    prompt = engine.tokenizer.encode_chat(CALL_PROMPT)
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(
+        max_tokens=5, temperature=0, structured_outputs=spec))[0].outputs[0]
+    assert len(out.token_ids) == 5 and out.finish_reason == "length"
+    literal = StructuredOutputsParams(regex=r"ferry-timetable-2026")
+    steps = _stepped(llm, prompt, SamplingParams(max_tokens=40, temperature=0,
+                                                 structured_outputs=literal))
+    assert len(steps) == 1  # one sampled token, the rest forced; then the grammar is done
+    assert engine.tokenizer.decode(steps[0]) == "ferry-timetable-2026"
+    assert not engine.has_unfinished_requests()
+    stats = engine.pool_stats()
+    assert stats.private == 0 and stats.protected == 0
+
+
+def test_a_forced_tail_is_computed_after_the_finish_so_the_next_turn_reads_it(
+    llm: LLM,
+) -> None:
+    engine = llm.engine
+    spec = _forced_call(llm)
+    prompt = engine.tokenizer.encode_chat(
+        [{"role": "user", "content": "And the weather in Porto, tomorrow?"}])
+    page = engine.pool.page_size
+
+    def cached_after(jump_forward: bool, salt: str) -> tuple[int, int]:
+        engine.postprocessor.jump_forward = jump_forward
+        try:
+            out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(
+                max_tokens=60, temperature=0, structured_outputs=spec), cache_salt=salt)[0]
+        finally:
+            engine.postprocessor.jump_forward = True
+        sequence = prompt + out.outputs[0].token_ids
+        assert out.outputs[0].finish_reason == "stop"
+        return (engine.cache.match_prefix((engine.config.model, salt), sequence).length,
+                len(sequence))
+
+    # The call ends in forced text (`"}}</tool_call>`) that no step computed before the
+    # finish: the request settles it, and the cache holds the whole sequence, as an agent's
+    # next turn replays it.
+    cached, whole = cached_after(True, "forced-tail-on")
+    assert cached == whole // page * page, (cached, whole)
+    # Decoded one token a step, the last sampled token is all that lacks K/V (and is left).
+    cached, whole = cached_after(False, "forced-tail-off")
+    assert cached == (whole - 1) // page * page, (cached, whole)
+    assert not engine.has_unfinished_requests() and engine.pool_stats().private == 0

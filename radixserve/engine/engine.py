@@ -114,7 +114,8 @@ class LLMEngine:
         self.grammars = GrammarCompiler(self.tokenizer, bounds=ValueBounds(
             config.grammar_int64_integers, config.grammar_max_number_chars,
             config.grammar_max_whitespace_run))
-        self.postprocessor = Postprocessor(self.scheduler, self.detokenizer, clock)
+        self.postprocessor = Postprocessor(self.scheduler, self.detokenizer, clock,
+                                           jump_forward=config.grammar_jump_forward)
         self.groups: dict[str, list[Request]] = {}
         # Cumulative seconds: scheduling and bookkeeping vs the model with sampling.
         self.bookkeeping_seconds = 0.0
@@ -368,11 +369,11 @@ class LLMEngine:
 
     def _check_slot_mirrors(self, plan: SchedulerOutput) -> None:
         if self.config.debug_invariants:
-            stale = [r.request_id for r in self.scheduler.running if not r.slot_mirror_ok()]
+            stale = [r.request_id for r in self.scheduler.holders if not r.slot_mirror_ok()]
             assert not stale, f"slot mirrors out of step with slot tables: {stale}"
             reads = [(r, r.num_computed + 1) for r in plan.decodes] + [
                 (c.request, c.request.num_computed + c.num_tokens) for c in plan.prefills]
-            self.window_kv.check(self.scheduler.running, reads)
+            self.window_kv.check(self.scheduler.holders, reads)
 
     def _check_invariants(self) -> None:
         if not self.config.debug_invariants:

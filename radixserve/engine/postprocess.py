@@ -3,7 +3,7 @@ scheduler's books), prompt log-probabilities, sampled tokens, text and stop cond
 finishes, first-token times; then the step's outputs, one per request group that progressed.
 A verified draft gives its tokens one by one to the same stop checks, so stops, max_tokens,
 logprobs and streaming see only accepted tokens; its rejected KV is given back before a
-finish publishes anything.
+finish publishes anything. Tokens a grammar forces after a sampled one pass the same checks.
 """
 
 from __future__ import annotations
@@ -22,17 +22,18 @@ logger = logging.getLogger(__name__)
 
 class Postprocessor:
     def __init__(self, scheduler: Scheduler, detokenizer: Detokenizer,
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], jump_forward: bool = True) -> None:
         self.scheduler = scheduler
         self.speculation = scheduler.speculation
         self.detokenizer = detokenizer
         self.clock = clock
+        self.jump_forward = jump_forward
 
     def apply(self, plan: SchedulerOutput, result: StepResult) -> list[Request]:
         """Applies a step that ran; returns the requests that got a token, or that completed
         their prompt with max_tokens 0 (scoring it: they end without sampling)."""
-        scored = [c.request for c in plan.prefills
-                  if c.completes_prompt and c.request.params.max_tokens == 0]
+        scored = [c.request for c in plan.prefills if c.completes_prompt
+                  and c.request.params.max_tokens == 0 and not c.request.finished]
         self.scheduler.advance(plan)
         for request, entries in result.prompt_logprobs:
             assert request.prompt_logprobs is not None
@@ -66,7 +67,26 @@ class Postprocessor:
 
     def _take(self, request: Request, token: int, logprob: TokenLogprob | None,
               now: float) -> Stop | None:
-        """Appends one sampled token; returns why the request must stop, if it must."""
+        """Appends one sampled token, then the tokens its grammar forces after it (jump
+        forward); returns why the request must stop, if it must."""
+        stop = self._append(request, token, logprob, now)
+        if (stop is None and self.jump_forward and request.matcher is not None
+                and request.params.logprobs is None):
+            # Tokens the grammar forces need no sampling: they are taken now, and the next
+            # step computes them with the sampled token as one chunk, instead of one decode
+            # step each. (Not with logprobs: a forced token has no sampled distribution.)
+            taken = 0
+            for forced_token in request.matcher.forced_tokens():
+                stop = self._append(request, forced_token, None, now)
+                taken += 1
+                if stop is not None:
+                    break
+            if taken:
+                request.jump_pending = 1 + taken  # (a finish computes them too: Scheduler)
+        return stop
+
+    def _append(self, request: Request, token: int, logprob: TokenLogprob | None,
+                now: float) -> Stop | None:
         if request.metrics.first_token_time is None:
             request.metrics.first_token_time = now
         request.append_output(token)

@@ -76,6 +76,10 @@ class Request:
     tier_blocks_done: int = 0
     # The structured output's grammar state, when the request has one.
     matcher: GrammarMatcher | None = None
+    # Output tokens taken without a model step (a sampled token and the forced tokens the
+    # grammar jumped forward to after it) whose K/V is still to compute: the step that
+    # computes them is an extend chunk, not a prefill of the prompt.
+    jump_pending: int = 0
     # Speculation: the n-gram index of its own tokens (built on its first draft), and its
     # draft tokens verified and accepted so far (auto's acceptance estimate).
     draft_index: NgramIndex | None = field(default=None, repr=False)

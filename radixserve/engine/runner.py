@@ -145,7 +145,7 @@ class ModelRunner:
             ids.extend(request.token_ids[first : first + n])
             positions.extend(range(first, first + n))
             write_slots.extend(request.slots[first : first + n])
-            if chunk.completes_prompt and request.params.max_tokens > 0:
+            if chunk.completes_prompt and request.params.max_tokens > 0 and not request.finished:
                 logit_rows.append(len(ids) - 1)
                 wants_logits.append(request)
         logit_rows.extend(verify_rows)

@@ -8,6 +8,9 @@ budget, then continues long prefills, then admits in the policy's order (fcfs or
 short request waits at most a step behind another's long prompt. Admission reuses the prefix
 cache: match, lock, budget memory (counting what eviction can free), allocate. When decode runs out of pages the newest request is preempted
 (recompute later); its computed KV stays in the cache so it can hit on the way back in.
+Tokens taken without a step (a grammar's forced text) are computed as a chunk before the
+next sample; a finished request whose forced tail or pinned output has no KV yet settles it
+in one more chunk, its client already answered, so the next turn reads the whole sequence.
 
 With a disk tier (`KVTier`), admission also asks it for the blocks that follow the pool's match:
 the request is then admitted into `loading` (radixserve/engine/tier_loads.py: its slots
@@ -122,6 +125,10 @@ class Scheduler:
         self.tier = tier if cache.stores_slots else None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # Finished requests whose pinned sequence still has output tokens without K/V (the last
+        # sampled token, forced tokens after it): one chunk computes them for the cache, so a
+        # continuation reads the whole sequence. Their clients already have the output.
+        self.settling: list[Request] = []
         self.loading = TierLoads(self.tier, allocator)  # admitted, their tier blocks on the way
         self.counters = SchedulerCounters()
 
@@ -134,7 +141,12 @@ class Scheduler:
             self.tier.prefetch(request, self.cache.match_prefix(request.namespace, lookup).length)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.loading.in_flight)
+        return bool(self.waiting or self.running or self.settling or self.loading.in_flight)
+
+    @property
+    def holders(self) -> list[Request]:
+        """The requests that hold slots for their own rows: running and settling."""
+        return self.running + self.settling
 
     def finish(self, request: Request, reason: FinishReason, keep_kv: bool = True) -> None:
         """Ends a request wherever it is; releases every slot and lock it holds, once.
@@ -147,10 +159,14 @@ class Scheduler:
             self.speculation.finished(request)
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
-            if keep_kv:
-                self.publish(request)
-                self._pin_to_end(request)
-            self._release(request, publish=False)
+            if keep_kv and self._settles(request, reason):
+                self.settling.append(request)
+                request.jump_pending = request.num_tokens - request.num_computed
+            else:
+                if keep_kv:
+                    self.publish(request)
+                    self._pin_to_end(request)
+                self._release(request, publish=False)
         elif request.status is RequestStatus.LOADING:
             self.loading.abandon(request)  # its slots past the cache's wait for the loader
             self._release(request, publish=False)
@@ -158,6 +174,38 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+
+    def _settles(self, request: Request, reason: FinishReason) -> bool:
+        """Whether a finished request computes its output's last tokens before it lets go:
+        tokens a grammar forced at its end (a call's `"}}</tool_call>`: an agent's next turn
+        replays them, and unforced they would have been computed as decoded), or a pin reaches
+        past its K/V into the output (a stored Responses turn), so a continuation is expected
+        to read all of it."""
+        return (reason in ("stop", "length") and self.cache.stores_slots
+                and request.num_computed < request.num_tokens
+                and (request.jump_pending > 0
+                     or any(offset > request.num_computed for offset, _ in request.pins)))
+
+    def _settle(self, request: Request, out: SchedulerOutput, budget: int) -> int:
+        """Schedules a settling request's uncomputed tail (no logits); returns its tokens. It
+        takes only free or evictable slots, never a running request's: without them it ends
+        with what it has."""
+        todo = request.num_tokens - request.num_computed
+        pages = -(-(request.num_tokens - len(request.slots)) // self.page_size)
+        chunk = 0
+        if pages <= 0 or self._allocate_pages(pages, request):
+            self.window_kv.slide(request)
+            chunk = self.window_kv.reserve(request, min(todo, budget))
+        if chunk:
+            out.prefills.append(ScheduledChunk(request, chunk))
+        else:
+            self._settled(request)
+        return chunk
+
+    def _settled(self, request: Request) -> None:
+        self.settling.remove(request)
+        self._pin_to_end(request)
+        self._release(request, publish=False)
 
     # ----- one step -----
 
@@ -181,11 +229,16 @@ class Scheduler:
         short_lane = self.config.short_prefill_tokens > 0
         short_prefills: list[Request | None] = []
         long_prefills: list[Request] = []
+        for request in list(self.settling):  # a few tokens each, done in one step
+            if budget > 0:
+                budget -= self._settle(request, out, budget)
         for request in list(self.running):
             if budget <= 0:
                 break
             if request.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
+            if request.jump_pending and not self._grow(request, out, request.num_tokens):
+                continue  # (slots for the tokens a grammar forced: their extend chunk)
             if short_lane and request.is_prefilling:
                 (long_prefills if self._is_long_prefill(request) else short_prefills).append(
                     request)
@@ -281,9 +334,11 @@ class Scheduler:
             if victim is request:
                 return 0
 
-    def _grow(self, request: Request, out: SchedulerOutput) -> bool:
-        """Gives `request` a slot for its next token, preempting newer requests if needed."""
-        while len(request.slots) <= request.num_computed:
+    def _grow(self, request: Request, out: SchedulerOutput, upto: int | None = None) -> bool:
+        """Gives `request` slots up to position `upto` (default: its next token's), preempting
+        newer requests if needed."""
+        need = request.num_computed + 1 if upto is None else upto
+        while len(request.slots) < need:
             if self._allocate_pages(1, request):
                 continue
             victim = self.running[-1]
@@ -323,10 +378,15 @@ class Scheduler:
         """Records that the plan's tokens were computed. Prefill chunks publish their KV into
         the cache at once, so concurrent requests hit it instead of computing it again."""
         for chunk in plan.prefills:
-            chunk.request.num_computed += chunk.num_tokens
-            if chunk.request.counted:
-                self.counters.computed_prompt_tokens += chunk.num_tokens
-            self.publish(chunk.request)
+            request = chunk.request
+            request.num_computed += chunk.num_tokens
+            jumped = min(chunk.num_tokens, request.jump_pending)
+            request.jump_pending -= jumped
+            if request.counted:
+                self.counters.computed_prompt_tokens += chunk.num_tokens - jumped
+            self.publish(request)
+            if request.finished and request.num_computed == request.num_tokens:
+                self._settled(request)
         for request in plan.decodes:
             request.num_computed += 1
 
@@ -336,8 +396,11 @@ class Scheduler:
         failed = (list(plan.decodes) + [c.request for c in plan.prefills]
                   + [v.request for v in plan.verifies])
         for request in failed:
-            self.finish(request, "error", keep_kv=False)
-        return failed
+            if request in self.settling:  # finished already: what it published stays
+                self._settled(request)
+            else:
+                self.finish(request, "error", keep_kv=False)
+        return [r for r in failed if r.finish_reason == "error"]
 
     # ----- admission -----
 
@@ -548,9 +611,11 @@ class Scheduler:
         request.cache_len = 0
         request.cache_handle = None
         request.num_computed = 0
+        request.jump_pending = 0  # a resumed request recomputes its output as a prefill
 
     def private_slots(self) -> int:
-        """Slots held by requests outside the cache: running, loading, or abandoned mid-load."""
-        return (sum(r.num_private_slots for r in self.running)
+        """Slots held by requests outside the cache: running, settling, loading, or abandoned
+        mid-load."""
+        return (sum(r.num_private_slots for r in self.holders)
                 + sum(r.num_private_slots for r in self.loading)
                 + self.loading.abandoned_slots())

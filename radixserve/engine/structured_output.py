@@ -94,6 +94,13 @@ class GrammarMatcher:
             self._values.accept(token)
         return accepted
 
+    def forced_tokens(self) -> list[int]:
+        """The tokens the grammar allows as the only way on from here (a forced call's
+        `<tool_call>{"name": "...", "arguments": ` say), in the tokenizer's own tokenization,
+        stopping short of a token the next free text could merge into. Not yet taken. (The
+        value bounds never refuse text the grammar requires, so they need no say here.)"""
+        return list(self._matcher.compute_ff_tokens())
+
     def accepts_whole(self, tokens: list[int]) -> bool:
         """Whether `tokens` are a complete output of the grammar (the matcher follows them)."""
         return bool(self._matcher.consume_tokens(tokens)) and bool(self._matcher.is_accepting())
