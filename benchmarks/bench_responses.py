@@ -294,6 +294,11 @@ def main() -> None:
     parser.add_argument("--store-tokens", type=int, default=4000)
     parser.add_argument("--store-only", action="store_true",
                         help="only the store's bound check (no server)")
+    parser.add_argument("--server-arg", action="append", default=[], metavar="FLAG",
+                        help="an extra `radixserve serve` flag (repeat it), e.g. "
+                             "--server-arg=--no-grammar-jump-forward")
+    parser.add_argument("--no-chat", action="store_true",
+                        help="skip the chat completions run (by id and the cold runs only)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args()
@@ -313,10 +318,10 @@ def main() -> None:
          "--responses-dir", str(logs / "store"), "--max-pinned-fraction", "0.9",
          # Every first turn arrives at once by design (a backlog of ~16 x 2,000 tokens from
          # one caller): admission control would refuse some, and this measures the cache.
-         "--max-queue-wait", "0", "--queue-key-share", "1"],
+         "--max-queue-wait", "0", "--queue-key-share", "1", *args.server_arg],
         logs / "radixserve.log")
     try:
-        for kind in ("by-id", "chat-full"):
+        for kind in ("by-id",) if args.no_chat else ("by-id", "chat-full"):
             results[kind] = asyncio.run(drive(server.base_url, kind, work, args.output_tokens))
             print(kind, json.dumps(results[kind], indent=1), flush=True)
         alone = asyncio.run(cold_prefill(server.base_url, work[:1], args.output_tokens))[0]

@@ -21,6 +21,7 @@ from radixserve.config import EngineConfig
 from radixserve.engine.engine import LLMEngine
 from radixserve.engine.kv_offload import KVOffload
 from radixserve.engine.kv_pool import KVPool
+from radixserve.kv_tier.blocks import rotary_identity
 from radixserve.kv_tier.store import TierStore
 from radixserve.server.accounting import OffsetClock
 from tests.support.tier import FINGERPRINT, run_command
@@ -92,6 +93,9 @@ def test_restart_reads_the_tier_and_usage_counts_it(model_path, tmp_path, off):
     with LLM(str(model_path), **_settings(kv_offload_dir=str(tmp_path))) as llm:
         result = llm.generate({"prompt_token_ids": second}, GREEDY, use_tqdm=False)[0]
         counters = llm.engine.scheduler.counters
+        assert llm.engine.offload is not None  # its fingerprint names the rotary tables used
+        assert llm.engine.offload.store.fingerprint.rotary == rotary_identity(
+            llm.engine.model.rope_tables)
     reference = off.generate({"prompt_token_ids": second}, GREEDY, use_tqdm=False)[0]
     assert result.outputs[0].token_ids == reference.outputs[0].token_ids
     # Every full block of the shared prefix came from disk, and usage says so.

@@ -27,9 +27,11 @@ import numpy as np
 import pytest
 import xxhash
 
-from radixserve.kv_tier.blocks import ModelFingerprint, chain_keys
+from radixserve.kv_tier.blocks import ModelFingerprint, chain_keys, rotary_identity
 from radixserve.kv_tier.entry import ERROR_KINDS, EntryError, EntryHeader
 from radixserve.kv_tier.store import TierStore
+from radixserve.model.config import RopeConfig
+from radixserve.model.rope import rope_table
 from radixserve.sequences import namespace_bytes
 from tests.support.tier import FINGERPRINT, run_command
 
@@ -192,7 +194,8 @@ def test_keys_differ_by_namespace_fingerprint_and_every_token() -> None:
     changed = {"weights": "f" * 32, "dtype": "bfloat16", "quantization": "q8_0",
                "projections": "avx512", "attention": "paged", "num_layers": 3,
                "num_kv_heads": 2, "head_dim": 16, "page_size": 8, "block_tokens": 8,
-               "layout_version": FINGERPRINT.layout_version + 1, "software": "other"}
+               "layout_version": FINGERPRINT.layout_version + 1, "software": "other",
+               "rotary": "e" * 32}
     assert set(changed) == {f.name for f in dataclasses.fields(ModelFingerprint)}
     for name, value in changed.items():
         other = dataclasses.replace(FINGERPRINT, **{name: value})
@@ -797,3 +800,18 @@ def test_read_into_caller_buffers_checks_like_a_plain_read(tmp_path: Path, open_
     with pytest.raises(EntryError) as refused:
         store.read(block.key, into=lambda header: targets)
     assert refused.value.kind == "corrupt"
+
+
+def test_longrope_served_at_two_context_lengths_has_two_fingerprints() -> None:
+    # LongRoPE picks its long factors when the engine's context exceeds the pretraining length
+    # (4,096 here): the same file rotates a prefix's keys two ways, which must not share
+    # entries. Any other rotary setting that changes the angles changes the identity too.
+    scaling = {"rope_type": "longrope", "original_max_position_embeddings": 4096,
+               "short_factor": [1.0, 1.5, 2.0, 3.0], "long_factor": [2.0, 4.0, 8.0, 16.0]}
+    rope = RopeConfig(10000.0, scaling)
+    short = rotary_identity([rope_table(rope, 8, 4096)])
+    assert rotary_identity([rope_table(rope, 8, 4096)]) == short  # stable
+    assert rotary_identity([rope_table(rope, 8, 131072)]) != short
+    assert rotary_identity([rope_table(RopeConfig(10000.0, None), 8, 4096)]) != short
+    assert rotary_identity([rope_table(RopeConfig(500000.0, None), 8, 4096)]) != rotary_identity(
+        [rope_table(RopeConfig(10000.0, None), 8, 4096)])

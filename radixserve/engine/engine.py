@@ -40,7 +40,7 @@ from radixserve.engine.speculative.policy import Speculation, SpeculationSetting
 from radixserve.engine.structured_output import GrammarCompiler
 from radixserve.engine.window_kv import FullKV, WindowKV
 from radixserve.kernels.cpu import describe as describe_cpu
-from radixserve.kv_tier.blocks import ModelFingerprint, weights_identity
+from radixserve.kv_tier.blocks import ModelFingerprint, rotary_identity, weights_identity
 from radixserve.kv_tier.store import TierStore
 from radixserve.outputs import RequestOutput
 from radixserve.sampling_params import SamplingParams
@@ -154,6 +154,7 @@ class LLMEngine:
             num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
             page_size=config.page_size, block_tokens=config.kv_offload_block_tokens,
             software=f"radixserve {radixserve.__version__}, torch {torch.__version__}",
+            rotary=rotary_identity(self.model.rope_tables),
         )
         clock = self.clock
         # Pins outlive the process, so the tier keeps them in wall-clock time; this clock
