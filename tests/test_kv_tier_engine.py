@@ -21,8 +21,8 @@ from radixserve.config import EngineConfig
 from radixserve.engine.engine import LLMEngine
 from radixserve.engine.kv_offload import KVOffload
 from radixserve.engine.kv_pool import KVPool
-from radixserve.kv_tier.blocks import rotary_identity
 from radixserve.kv_tier.store import TierStore
+from radixserve.model.rope import rotary_identity
 from radixserve.server.accounting import OffsetClock
 from tests.support.tier import FINGERPRINT, run_command
 from tests.support.workloads import mixed_workload, run_rounds

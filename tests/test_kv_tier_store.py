@@ -27,11 +27,11 @@ import numpy as np
 import pytest
 import xxhash
 
-from radixserve.kv_tier.blocks import ModelFingerprint, chain_keys, rotary_identity
+from radixserve.kv_tier.blocks import ModelFingerprint, chain_keys
 from radixserve.kv_tier.entry import ERROR_KINDS, EntryError, EntryHeader
 from radixserve.kv_tier.store import TierStore
 from radixserve.model.config import RopeConfig
-from radixserve.model.rope import rope_table
+from radixserve.model.rope import rope_table, rotary_identity
 from radixserve.sequences import namespace_bytes
 from tests.support.tier import FINGERPRINT, run_command
 

@@ -40,8 +40,9 @@ from radixserve.engine.speculative.policy import Speculation, SpeculationSetting
 from radixserve.engine.structured_output import GrammarCompiler
 from radixserve.engine.window_kv import FullKV, WindowKV
 from radixserve.kernels.cpu import describe as describe_cpu
-from radixserve.kv_tier.blocks import ModelFingerprint, rotary_identity, weights_identity
+from radixserve.kv_tier.blocks import ModelFingerprint, weights_identity
 from radixserve.kv_tier.store import TierStore
+from radixserve.model.rope import rotary_identity
 from radixserve.outputs import RequestOutput
 from radixserve.sampling_params import SamplingParams
 from radixserve.sequences import namespace_bytes

@@ -21,10 +21,6 @@ import os
 import struct
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from radixserve.model.rope import RopeTable
 
 # Bump when the file format or the KV layout in it changes: older entries are then foreign.
 KV_LAYOUT_VERSION = 3  # 3: keys hash the namespace's JSON bytes (2: its repr; XXH3-64
@@ -55,8 +51,9 @@ class ModelFingerprint:
     block_tokens: int
     layout_version: int = KV_LAYOUT_VERSION
     software: str = ""  # radixserve and torch versions
-    # The rotary tables keys were turned by (rotary_identity): LongRoPE's factors follow the
-    # engine's context length, so one file served at two lengths rotates keys two ways.
+    # The rotary tables keys were turned by (model.rope.rotary_identity): LongRoPE's factors
+    # follow the engine's context length, so one file served at two lengths turns keys two
+    # ways.
     rotary: str = ""
 
     @property
@@ -68,16 +65,6 @@ class ModelFingerprint:
     def name(self) -> str:
         """The tier's sub-directory for this fingerprint."""
         return self.digest.hex()
-
-
-def rotary_identity(tables: Sequence[RopeTable]) -> str:
-    """A digest of a model's rotary tables (`RopeTable`s: per-frequency angles and the
-    magnitude), as the engine computes them for its context length."""
-    digest = hashlib.blake2b(digest_size=KEY_BYTES)
-    for table in tables:
-        digest.update(table.inv_freq.double().numpy().tobytes())
-        digest.update(struct.pack("<d", table.magnitude))
-    return digest.hexdigest()
 
 
 def weights_identity(path: str) -> str:

@@ -5,7 +5,10 @@ puts on cos and sin. Made once when a model is built; a step turns them into ang
 
 from __future__ import annotations
 
+import hashlib
 import math
+import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +25,16 @@ class RopeTable:
 
     inv_freq: torch.Tensor  # float32 [rotary_dim / 2], on the CPU
     magnitude: float = 1.0
+
+
+def rotary_identity(tables: Sequence[RopeTable]) -> str:
+    """A digest of rotary tables (each one's per-frequency angles and magnitude), as an engine
+    computes them for its context length: the disk tier's fingerprint names it."""
+    digest = hashlib.blake2b(digest_size=16)
+    for table in tables:
+        digest.update(table.inv_freq.double().numpy().tobytes())
+        digest.update(struct.pack("<d", table.magnitude))
+    return digest.hexdigest()
 
 
 def rope_table(rope: RopeConfig, rotary_dim: int, max_context: int) -> RopeTable:
