@@ -3,8 +3,9 @@
 `reasoning_content` back) in a four-turn tool-calling loop through the OpenAI SDK. Per turn,
 the prompt tokens not read from the cache: with the plain template the next turn re-prefills
 the whole reply; with the reasoning sent back, or with the next-turn prefill, only the new
-tool result. Each loop's replies equal the cache-off server's; the dashboard names the
-rewrite; and an idle-time prefill yields to a request that arrives during it.
+tool result (behind --replicas too, on the replica the turn ran on). Each loop's replies equal
+the cache-off server's; the dashboard names the rewrite; and an idle-time prefill yields to a
+request that arrives during it.
 """
 
 from __future__ import annotations
@@ -92,6 +93,13 @@ def prefilling(tmp_path_factory: pytest.TempPathFactory, qwen3: Path) -> Iterato
 
 
 @pytest.fixture(scope="module")
+def replicas(tmp_path_factory: pytest.TempPathFactory, qwen3: Path) -> Iterator[ServerProcess]:
+    pytest.importorskip("ray", reason="pip install 'radixserve[ray]' for --replicas")
+    yield from _server(tmp_path_factory, qwen3, "replicas", "--replicas", "2",
+                       "--cpus-per-replica", "0.25")
+
+
+@pytest.fixture(scope="module")
 def uncached(tmp_path_factory: pytest.TempPathFactory, qwen3: Path) -> dict[bool, Loop]:
     """The loops without a cache, reasoning dropped (False) and kept (True): the replies every
     cached loop must equal."""
@@ -101,9 +109,10 @@ def uncached(tmp_path_factory: pytest.TempPathFactory, qwen3: Path) -> dict[bool
 
 
 def _metric(server: ServerProcess, name: str) -> float:
+    """The metric's value, summed over replicas behind --replicas (0 when not reported)."""
     text = httpx.get(server.base_url + "/metrics").text
-    found = re.search(rf"^radixserve:{name}(?:_total)?{{[^}}]*}} ([0-9.e+]+)$", text, re.M)
-    return float(found.group(1)) if found else 0.0
+    found = re.findall(rf"^radixserve:{name}(?:_total)?{{[^}}]*}} ([0-9.e+]+)$", text, re.M)
+    return sum(float(value) for value in found)
 
 
 def _wait_for_background(server: ServerProcess, jobs: int) -> None:
@@ -203,6 +212,17 @@ def test_next_turn_prefill_makes_the_next_turn_pay_only_the_new_text(
         assert 12 <= paid <= fresh, (turn, loop.uncached)
     print(f"uncached prompt tokens per turn with the next-turn prefill: {loop.uncached}")
     assert _metric(prefilling, "background_prefill_yielded") == 0
+
+
+def test_behind_replicas_the_next_turn_is_prefilled_where_its_turn_ran(
+        replicas: ServerProcess, uncached: dict[bool, Loop], qwen3: Path) -> None:
+    # The ingress renders the next turn; the replica that served the turn (the prefix router
+    # sends the next turn there too) prefills it while idle.
+    loop = agent_loop(replicas, keep_reasoning=False, salt="replicas", background=True)
+    assert loop.replies == uncached[False].replies
+    for turn, (paid, fresh) in enumerate(zip(loop.uncached[1:], _new_text_tokens(qwen3, loop),
+                                             strict=True)):
+        assert 12 <= paid <= fresh, (turn, loop.uncached)
 
 
 def test_the_dashboard_says_which_assistant_turn_the_template_rewrote(

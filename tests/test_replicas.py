@@ -114,7 +114,8 @@ def test_the_router_counts_nothing_in_flight_once_idle(server: ServerProcess) ->
     (["--replicas", "2", "--router", "pow2", "--router-min-match-tokens", "8"],
      "--router-min-match-tokens set the prefix router"),
     (["--replicas", "2", "--enable-clock-control"], "not available with --replicas"),
-    (["--replicas", "2", "--next-turn-prefill"], "--next-turn-prefill runs beside one engine"),
+    (["--replicas", "2", "--next-turn-prefill", "--prefix-cache", "off"],
+     "--next-turn-prefill keeps its prefill in the radix tree"),
     (["--prefix-cache", "hash", "--next-turn-prefill"], "it needs --prefix-cache radix"),
 ])
 def test_flags_that_would_be_ignored_are_refused(flags: list[str], message: str) -> None:

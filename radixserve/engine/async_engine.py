@@ -123,9 +123,16 @@ class AsyncEngine:
             if not finished:
                 self.abort(request_id)
 
-    def prefill_in_background(self, token_ids: list[int], namespace: Hashable = None) -> None:
+    @property
+    def background_prefill(self) -> bool:
+        """Whether `prefill_in_background` does anything (the engine was built with it)."""
+        return self.background is not None
+
+    def prefill_in_background(self, token_ids: list[int], namespace: Hashable = None,
+                              affinity: str | None = None) -> None:
         """Caches `token_ids`' KV when the engine is next idle, at the lowest priority
-        (`engine.background_prefill`); a no-op when background prefill is off."""
+        (`engine.background_prefill`); a no-op when background prefill is off. (`affinity`
+        names an engine among several: here there is one.)"""
         background = self.background
         if background is not None:
             job = PrefillJob(tuple(token_ids), namespace)

@@ -27,7 +27,7 @@ STUCK_STEP_S = ServerSettings().watchdog_exit_s
 class EngineReplica:
     """The deployment's class (`launch` wraps it with `serve.deployment`)."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, background_prefill: bool = False) -> None:
         from ray import serve
         from ray.util import get_node_ip_address
 
@@ -38,7 +38,8 @@ class EngineReplica:
         if config.prefix_cache == "radix":  # the other modes publish nothing
             config = dataclasses.replace(config, kv_events_endpoint=f"tcp://{host}:0",
                                          kv_events_replay_endpoint=f"tcp://{host}:0")
-        self.aengine = AsyncEngine(lambda: LLMEngine(config))
+        self.aengine = AsyncEngine(lambda: LLMEngine(config),
+                                   background_prefill=background_prefill)
         publisher = self.engine.kv_events
         self.events_endpoint = publisher.endpoint if publisher else None
         self.replay_endpoint = publisher.replay_endpoint if publisher else None
@@ -61,7 +62,8 @@ class EngineReplica:
     async def record_routing_stats(self) -> dict[str, Any]:
         """Polled by Serve (`request_routing_stats_period_s`): the engine's snapshot, for the
         ingress's /metrics, and its queue."""
-        snapshot = await self.aengine.run(take_snapshot)
+        background = self.aengine.background
+        snapshot = await self.aengine.run(lambda engine: take_snapshot(engine, background))
         return {"snapshot": dataclasses.asdict(snapshot), "running": snapshot.num_running,
                 "waiting": snapshot.num_waiting}
 
@@ -96,6 +98,12 @@ class EngineReplica:
                                                   job.namespace, **job.options):
             output.extra["replica"] = self.replica_id
             yield output
+
+    def prefill_in_background(self, job: ReplicaJob) -> None:
+        """Queues the job's tokens (a conversation's next turn, as its template will render
+        it) for an idle-time prefill here; routed like a request, to the replica the turn
+        ran on (`job.affinity`). A no-op when the replicas run without background prefill."""
+        self.aengine.prefill_in_background(job.prompt_ids, job.namespace)
 
     def __del__(self) -> None:
         aengine = getattr(self, "aengine", None)

@@ -13,10 +13,12 @@ import asyncio
 import dataclasses
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable, Hashable
 from typing import Any
 
 from radixserve.cache.base import CacheStats
+from radixserve.engine.background_prefill import BackgroundPrefillStats
 from radixserve.engine.engine import PoolStats
 from radixserve.engine.limits import EngineLimits
 from radixserve.engine.speculative.stats import SpeculationCounters
@@ -106,6 +108,7 @@ class ReplicaDirectory:
 
 def snapshot_from_dict(d: dict[str, Any]) -> EngineSnapshot:
     tier = d.get("tier")
+    background = d.get("background_prefill")
     return EngineSnapshot(
         pool=PoolStats(**d["pool"]), cache=CacheStats(**d["cache"]),
         num_running=d["num_running"], num_waiting=d["num_waiting"],
@@ -115,6 +118,7 @@ def snapshot_from_dict(d: dict[str, Any]) -> EngineSnapshot:
         tier=None if tier is None else TierStats(
             **{**tier, "counters": TierCounters(**tier["counters"])}),
         speculation=SpeculationCounters(**d["speculation"]),
+        background_prefill=None if background is None else BackgroundPrefillStats(**background),
     )
 
 
@@ -123,8 +127,11 @@ class ReplicaFront:
 
     def __init__(self, handle: Any, facts: ReplicaFacts, tokenizer: ChatTokenizer,
                  directory: ReplicaDirectory, with_text: bool = False,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 background_prefill: bool = False) -> None:
         self._handle = handle.options(stream=True)
+        self._calls = handle  # unary methods
+        self._background_prefill = background_prefill
         self.facts = facts
         self._tokenizer = tokenizer
         self._grammars = GrammarCompiler(tokenizer)
@@ -134,6 +141,7 @@ class ReplicaFront:
         self._with_text = with_text  # jobs carry their text (Ray's character-level router)
         self._clock = clock
         self._streams: dict[str, Any] = {}
+        self._pending: set[asyncio.Task[None]] = set()  # the loop holds tasks only weakly
         self.retries = 0
 
     @property
@@ -208,6 +216,29 @@ class ReplicaFront:
                 self._streams.pop(request_id, None)
                 if not finished:
                     stream.cancel()
+
+    @property
+    def background_prefill(self) -> bool:
+        return self._background_prefill
+
+    def prefill_in_background(self, token_ids: list[int], namespace: Hashable = None,
+                              affinity: str | None = None) -> None:
+        """Sends a next turn's history to the replica that served the turn (`affinity`; any
+        other would hold none of it) for an idle-time prefill there. Fire and forget: a
+        replica that is gone loses a prefill, never a request."""
+        job = self.job(token_ids, SamplingParams(max_tokens=0), f"next-turn-{uuid.uuid4().hex}",
+                       namespace, {}, affinity)
+        reply = self._calls.prefill_in_background.remote(job)
+        task = asyncio.get_running_loop().create_task(self._settle_call(reply))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    @staticmethod
+    async def _settle_call(reply: Any) -> None:
+        try:
+            await reply
+        except Exception:  # noqa: BLE001 - the replica left; the next turn is served anyway
+            logger.debug("a next-turn prefill was not delivered", exc_info=True)
 
     def abort(self, request_id: str) -> None:
         stream = self._streams.pop(request_id, None)

@@ -99,9 +99,9 @@ def check_flags(args: argparse.Namespace) -> None:
     if args.enable_clock_control:
         raise ValueError("--enable-clock-control moves one engine's clock; it is not "
                          "available with --replicas")
-    if args.next_turn_prefill:
-        raise ValueError("--next-turn-prefill runs beside one engine; it is not available "
-                         "with --replicas yet")
+    if args.next_turn_prefill and args.prefix_cache != "radix":
+        raise ValueError("--next-turn-prefill keeps its prefill in the radix tree; it needs "
+                         "--prefix-cache radix")
     if args.router == "prefix" and args.prefix_cache != "radix":
         raise ValueError("--router prefix follows the replicas' radix trees; it needs "
                          "--prefix-cache radix (or choose --router pow2 / round-robin)")
@@ -206,7 +206,10 @@ def _deploy(args: argparse.Namespace, config: EngineConfig, settings: ServerSett
             request_routing_stats_period_s=STATS_PERIOD_S),
     )
     started = time.monotonic()
-    handle = serve.run(deployment.bind(config), name=app_name, route_prefix=None)
+    # The next turn's prefill runs in each replica, for the turns it served (as serve.py
+    # decides for one engine: on by default, with the radix cache).
+    background = args.next_turn_prefill is not False and config.prefix_cache == "radix"
+    handle = serve.run(deployment.bind(config, background), name=app_name, route_prefix=None)
     # The first call also makes Serve build the router in this process.
     facts = handle.describe.remote().result(timeout_s=120)
     logger.info("%d replicas ready in %.1f s", args.replicas, time.monotonic() - started)
@@ -214,7 +217,7 @@ def _deploy(args: argparse.Namespace, config: EngineConfig, settings: ServerSett
     tokenizer = load_tokenizer(facts.model_path)
     tokenizer.chat_template = facts.chat_template  # the one the engines render with
     front = ReplicaFront(handle, facts, tokenizer, directory,
-                         with_text=args.router == "ray-prefix")
+                         with_text=args.router == "ray-prefix", background_prefill=background)
     app = create_app(front, settings, replicas=directory)
     add_replica_routes(app, directory, front)
     return app, front

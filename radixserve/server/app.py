@@ -47,8 +47,7 @@ def create_app(aengine: EngineFront, settings: ServerSettings | None = None,
     metrics = ServerMetrics(settings.model_name, settings.metrics_compat)
     lifecycle = Lifecycle()
     service = EngineService(aengine, settings, metrics, lifecycle)
-    background = aengine.prefill_in_background if (
-        isinstance(aengine, AsyncEngine) and aengine.background is not None) else None
+    background = aengine.prefill_in_background if aengine.background_prefill else None
     ctx = ServerContext(aengine, settings, metrics, lifecycle, service, created=int(time.time()),
                         replicas=replicas, next_turn=NextTurnLedger(background))
     # TTL pins and vendor cache entries must age on one clock: the engine's.

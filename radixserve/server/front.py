@@ -51,6 +51,17 @@ class EngineFront(Protocol):
 
     def abort(self, request_id: str) -> None: ...
 
+    @property
+    def background_prefill(self) -> bool:
+        """Whether the engines run idle-time prefills (`prefill_in_background`)."""
+        ...
+
+    def prefill_in_background(self, token_ids: list[int], namespace: Hashable = None,
+                              affinity: str | None = None) -> None:
+        """Queues `token_ids` (a conversation's next turn) for an idle-time prefill, on the
+        engine `affinity` names where there are several (the one that served the turn)."""
+        ...
+
     async def flush(self) -> None:
         """Returns once every add and abort sent so far has taken effect."""
         ...

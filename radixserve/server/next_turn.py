@@ -29,7 +29,8 @@ from radixserve.provider_caching.history_rewrite import (
 # Conversations whose next turn is remembered (least recently ended out first).
 MAX_REMEMBERED = 1024
 
-PrefillFn = Callable[[list[int], Hashable], None]
+# (history, namespace, the engine the turn ran on among several: EngineFront's affinity)
+PrefillFn = Callable[[list[int], Hashable, str | None], None]
 
 
 @dataclass(frozen=True)
@@ -75,11 +76,12 @@ class NextTurnLedger:
         return history, (None if found is None else
                          TemplateRewrite(found, self.prefill is not None))
 
-    def record(self, history: list[int], rewrite: TemplateRewrite, namespace: Hashable) -> None:
+    def record(self, history: list[int], rewrite: TemplateRewrite, namespace: Hashable,
+               affinity: str | None = None) -> None:
         """Remembers a rewrite for the next request's note and hands the history to the
-        background prefill (on the event loop)."""
+        background prefill (on the event loop), on the engine `affinity` names."""
         if self.prefill is not None:
-            self.prefill(history, namespace)
+            self.prefill(history, namespace, affinity)
         self._remember(_key(history, namespace), len(history), rewrite)
 
     def note_for(self, prompt: Sequence[int], namespace: Hashable) -> tuple[str, ...]:

@@ -158,10 +158,13 @@ class ChatExchange(OpenAIExchange):
             return  # cut off: the client cannot send this turn back as generated
         reply = {k: v for k, v in self.choice(0, sample)["message"].items()
                  if k in ("role", "content", "tool_calls")}
+        replica = finals[0].extra.get("replica")  # behind --replicas: where the turn ran
         self.ctx.next_turn.spawn(self._analyse([*self.body.messages, ChatMessage(**reply)],
-                                               [*finals[0].prompt_token_ids, *sample.token_ids]))
+                                               [*finals[0].prompt_token_ids, *sample.token_ids],
+                                               replica if isinstance(replica, str) else None))
 
-    async def _analyse(self, messages: list[ChatMessage], generated: list[int]) -> None:
+    async def _analyse(self, messages: list[ChatMessage], generated: list[int],
+                       replica: str | None) -> None:
         assert self.body is not None
         tokenizer = self.ctx.tokenizer
         template = tokenizer.chat_template or ""
@@ -175,7 +178,7 @@ class ChatExchange(OpenAIExchange):
             logger.debug("next turn not rendered", exc_info=True)
             return
         if rewrite is not None:
-            self.ctx.next_turn.record(history, rewrite, self.jobs[0].namespace)
+            self.ctx.next_turn.record(history, rewrite, self.jobs[0].namespace, replica)
             self.ctx.metrics.template_rewrite(rewrite.tokens)
 
     def reasoning_tokens(self, finals: list[RequestOutput]) -> int:
