@@ -126,7 +126,14 @@ def background_cost(server: ServerProcess, system: str, samples: int) -> dict[st
         # The short request goes as soon as the turn's reply is back: the server then renders
         # the next turn and starts its prefill, which the request interrupts (within one step:
         # a prefill chunk of up to --max-num-batched-tokens) or finds finished.
+        started = _metric(server, "background_prefill_jobs")
         agent_loop(server, False, 1, long_system, settle=False)
+        # Sent once the history's prefill has started (the server renders the next turn off
+        # the event loop first): the request then meets it running, unless it is done.
+        deadline = time.monotonic() + 30
+        while (_metric(server, "background_prefill_jobs") <= started
+               and time.monotonic() < deadline):
+            time.sleep(0.005)
         busy.append(_ttft(server, f"Say hello {i}."))
         _settle(server)
     return {"idle_ttft_s": statistics.median(idle), "during_background_ttft_s":

@@ -26,6 +26,10 @@ SSE_DONE = b"data: [DONE]\n\n"
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
+# Names what a request asked for that the server accepted without acting on (both APIs).
+NOT_APPLIED_HEADER = "x-radixserve-not-applied"
+
+
 class StrictModel(BaseModel):
     """A request body, OpenAI's or Anthropic's. Strict: a string where a number belongs is a
     400, as with the vendors. Unknown fields are accepted and ignored, because the SDKs pass new

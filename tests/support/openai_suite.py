@@ -193,14 +193,27 @@ class OpenAISuite:
 
 
     def test_accepts_fields_it_does_not_act_on(self, client: openai.OpenAI) -> None:
-        r = client.chat.completions.create(
+        raw = client.chat.completions.with_raw_response.create(
             model=MODEL, messages=[{"role": "developer", "content": "Be brief."}, *HELLO],
             max_completion_tokens=2, prompt_cache_key="conversation-42", prompt_cache_retention="24h",
             safety_identifier="user-1", user="user-1", metadata={"k": "v"}, store=False,
             parallel_tool_calls=True, response_format={"type": "text"}, service_tier="auto",
             extra_body={"prompt_cache_options": {"mode": "implicit", "ttl": "30m"},
                         "some_future_field": [1, 2, 3]})
+        r = raw.parse()
         assert r.usage.completion_tokens <= 2  # type: ignore[union-attr]
+        # Accepted, not silently: the response names each field it did not act on (those it
+        # acted on, parallel_tool_calls and response_format here, are not named).
+        assert raw.headers["x-radixserve-not-applied"].split(", ") == [
+            "prompt_cache_key", "prompt_cache_retention", "prompt_cache_options",
+            "safety_identifier", "user", "metadata", "store", "service_tier",
+            "some_future_field"]
+        plain = client.completions.with_raw_response.create(
+            model=MODEL, prompt="Hi", max_tokens=1, extra_body={"future_knob": 1})
+        assert plain.headers["x-radixserve-not-applied"] == "future_knob"
+        clean = client.completions.with_raw_response.create(model=MODEL, prompt="Hi",
+                                                             max_tokens=1)
+        assert "x-radixserve-not-applied" not in clean.headers
         assert {"prompt_cache_key", "prompt_cache_retention", "safety_identifier"} <= set(IGNORED_FIELDS)
         # Acted on now (test_server_sampling.py): no longer among the ignored.
         assert not {"frequency_penalty", "presence_penalty", "logit_bias"} & set(IGNORED_FIELDS)

@@ -16,7 +16,6 @@ from __future__ import annotations
 from radixserve.server.anthropic.protocol import MessagesRequest
 from radixserve.server.errors import bad_request
 
-NOT_APPLIED_HEADER = "x-radixserve-not-applied"
 # Betas whose features this server implements (a beta for a feature it refuses in the body,
 # such as mid-conversation tool changes, is listed as not applied: the body says the rest).
 ACTED_BETAS = frozenset({

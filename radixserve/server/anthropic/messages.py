@@ -18,7 +18,7 @@ from radixserve.outputs import RequestOutput
 from radixserve.provider_caching import Cost
 from radixserve.sampling_params import SamplingParams, StructuredOutputsParams
 from radixserve.server.accounting import CacheLedger, JobAccount
-from radixserve.server.anthropic.field_audit import NOT_APPLIED_HEADER, not_applied, thinking_asked
+from radixserve.server.anthropic.field_audit import not_applied, thinking_asked
 from radixserve.server.anthropic.prompt import PreparedPrompt, prepare_prompt
 from radixserve.server.anthropic.protocol import (
     MessagesRequest,
@@ -42,7 +42,7 @@ from radixserve.server.tool_calls.tools import (
     call_reading,
     turn_constraint,
 )
-from radixserve.server.transport import sse
+from radixserve.server.transport import NOT_APPLIED_HEADER, sse
 from radixserve.server.validation import checked_sampling_params, clamp_headers
 
 COST_HEADER = "x-radixserve-cost-usd"

@@ -21,6 +21,7 @@ from radixserve.server.openai.protocol import (
     ChatMessage,
     chat_logprobs,
     finish_reason,
+    not_applied_headers,
     refuse_unsupported,
 )
 from radixserve.server.preamble_strip import strip_chat_preamble
@@ -73,6 +74,7 @@ async def prepare_chat(ctx: ServerContext, request: Request, raw: bytes) -> Chat
     exchange = ChatExchange(ctx, model, flags, [job], reading,
                             ctx.reasoning_format(prompt_ids, structured is not None), body)
     exchange.headers.update(clamp_headers(requested, [params.max_tokens]))
+    exchange.headers.update(not_applied_headers(body))
     return exchange
 
 

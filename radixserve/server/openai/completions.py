@@ -26,6 +26,7 @@ from radixserve.server.openai.protocol import (
     completion_logprobs,
     finish_reason,
     join_logprobs,
+    not_applied_headers,
     refuse_unsupported,
 )
 from radixserve.server.serving import Job
@@ -84,6 +85,7 @@ async def prepare_completion(ctx: ServerContext, request: Request, raw: bytes) -
                   for p, job in zip(prompts, jobs, strict=True)]
     exchange = CompletionExchange(ctx, model, flags, jobs, echoes)
     exchange.headers.update(clamp_headers(body.max_tokens, [j.params.max_tokens for j in jobs]))
+    exchange.headers.update(not_applied_headers(body))
     return exchange
 
 

@@ -2,7 +2,10 @@
 for the response bodies.
 
 Fields documented by OpenAI that we accept but do not act on are listed in `IGNORED_FIELDS`;
-every other field is either acted on or refused with a 400 naming it.
+every other documented field is either acted on or refused with a 400 naming it. The ignored
+ones a request sets, and any field this server does not know (the SDKs pass new fields
+through, so they are said rather than refused), are named in the response's
+`x-radixserve-not-applied` header (`not_applied_headers`).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from pydantic import Field
 from radixserve.outputs import CompletionOutput, TokenLogprob
 from radixserve.server.errors import bad_request
 from radixserve.server.tool_calls.constraints import ConstraintFields
-from radixserve.server.transport import StrictModel
+from radixserve.server.transport import NOT_APPLIED_HEADER, StrictModel
 
 # Accepted without error, not acted on. prompt_cache_key only routes between OpenAI's
 # machines (we are one); the others describe the caller or OpenAI's storage and billing,
@@ -42,6 +45,22 @@ def refuse_unsupported(body: StrictModel) -> None:
             raise bad_request(f"{name} is not supported by this server (a text model without "
                               "audio, predictions, reasoning modes or web search; use tools "
                               "instead of the legacy functions).", name)
+
+
+def not_applied_headers(body: StrictModel) -> dict[str, str]:
+    """The not-applied header for `body`: the IGNORED_FIELDS it sets, then the fields this
+    server does not know, by name (none: no header)."""
+    extra = body.model_extra or {}
+    declared = type(body).model_fields
+
+    def value(name: str) -> Any:
+        return getattr(body, name) if name in declared else extra.get(name)
+
+    items = [name for name in IGNORED_FIELDS if value(name) is not None]
+    items += sorted(name for name, v in extra.items()
+                    if v is not None and name not in IGNORED_FIELDS)
+    return {NOT_APPLIED_HEADER: ", ".join(items)} if items else {}
+
 
 # More stop strings make every streamed chunk's hold-back check slower.
 MAX_STOP_SEQUENCES = 16
