@@ -1,8 +1,8 @@
 """Speculative decoding in the engine, on the default (quantized) model: greedy output with
 speculation is plain decoding's, token for token (with logprobs, stops and max_tokens acting on
 accepted tokens only), under batching, chunked prefill, pages of 4, cache hits and the disk
-tier; drafts never carry another tenant's text; constrained requests do not speculate and
-always parse."""
+tier; drafts never carry another tenant's text; constrained requests speculate under their
+grammar and keep plain constrained decoding's output."""
 
 from __future__ import annotations
 
@@ -86,18 +86,30 @@ def test_drafts_never_carry_another_tenants_text(llm: LLM, monkeypatch) -> None:
     assert any(set(d) & only_a for d in drafts["tenant-a"][-12:])
 
 
-def test_constrained_requests_do_not_speculate_and_parse(llm: LLM) -> None:
-    counters = llm.engine.speculation.counters
-    before = counters.drafts
+def test_constrained_requests_speculate_under_their_grammar(llm: LLM) -> None:
+    # The copy opens as the file does, then any text: drafts from the prompt fit the grammar,
+    # and each verified position samples under the grammar's mask after the tokens before it.
+    copy = StructuredOutputsParams(regex=r'"""Exact verification[\s\S]{0,300}')
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}},
               "required": ["name"], "additionalProperties": False}
-    outputs = llm.generate(PROMPTS[:2], [
-        SamplingParams(max_tokens=40, temperature=0.8, seed=3, speculative="suffix",
-                       structured_outputs=StructuredOutputsParams(json=schema)),
-        SamplingParams(max_tokens=40, temperature=0, speculative="suffix",
-                       structured_outputs=StructuredOutputsParams(json=schema))])
-    assert counters.drafts == before
-    assert all(set(json.loads(o.outputs[0].text)) == {"name"} for o in outputs)
+    counters = llm.engine.speculation.counters
+
+    def run(speculative: str) -> list:
+        return llm.generate(PROMPTS[:2], [
+            SamplingParams(max_tokens=40, temperature=0, speculative=speculative,
+                           structured_outputs=copy),
+            SamplingParams(max_tokens=40, temperature=0.8, seed=3, speculative=speculative,
+                           structured_outputs=StructuredOutputsParams(json=schema))])
+
+    plain = run("off")
+    accepted = counters.accepted_tokens
+    speculated = run("suffix")
+    assert counters.accepted_tokens > accepted  # drafts were verified and kept
+    # Greedy: plain constrained decoding's output, token for token.
+    assert speculated[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
+    assert speculated[0].outputs[0].text.startswith('"""Exact verification')
+    # Sampled: whatever it drew, it is the grammar's.
+    assert set(json.loads(speculated[1].outputs[0].text)) == {"name"}
 
 
 def test_auto_needs_an_engine_that_measured_its_cost_model(llm: LLM) -> None:

@@ -275,3 +275,29 @@ def test_a_forced_tail_is_computed_after_the_finish_so_the_next_turn_reads_it(
     cached, whole = cached_after(False, "forced-tail-off")
     assert cached == (whole - 1) // page * page, (cached, whole)
     assert not engine.has_unfinished_requests() and engine.pool_stats().private == 0
+
+
+def test_a_drafts_masks_are_each_positions_and_leave_the_matcher_where_it_was(llm: LLM) -> None:
+    grammars = llm.engine.grammars
+    spec = StructuredOutputsParams(json=SCHEMA)
+    text = '{"name":"Ann","age":42,"tags":["a"]}'
+    tokens = llm.engine.tokenizer.encode(text, add_special_tokens=False)
+    matcher = grammars.matcher(spec)
+    assert matcher.valid_prefix(tokens) == len(tokens)
+    head = llm.engine.tokenizer.encode('{"name":', add_special_tokens=False)
+    bad = head + llm.engine.tokenizer.encode('7,"age":7}', add_special_tokens=False)
+    assert matcher.valid_prefix(bad) == len(head)  # cut at the first refused token (a number)
+    rows = torch.empty((len(tokens) + 1, matcher.words), dtype=torch.int32)
+    matcher.fill_draft_masks(tokens, rows)
+    for j in range(len(tokens) + 1):  # each row: a fresh matcher after the first j tokens
+        fresh = grammars.matcher(spec)
+        for token in tokens[:j]:
+            assert fresh.accept(token)
+        expected = torch.empty(matcher.words, dtype=torch.int32)
+        fresh.fill_mask(expected)
+        assert torch.equal(rows[j], expected), j
+    # Rolled back: the matcher (and its value bounds) take the same tokens again.
+    again = torch.empty(matcher.words, dtype=torch.int32)
+    matcher.fill_mask(again)
+    assert torch.equal(again, rows[0])
+    assert matcher.accepts_whole(tokens)

@@ -95,6 +95,13 @@ class ValueTracker:
         self.number_run = 0
         self.space_run = 0
 
+    def state(self) -> tuple[bool, bool, int, int]:
+        """What `restore` puts back (a draft's masks are computed as if it were taken)."""
+        return self.in_string, self.escaped, self.number_run, self.space_run
+
+    def restore(self, state: tuple[bool, bool, int, int]) -> None:
+        self.in_string, self.escaped, self.number_run, self.space_run = state
+
     def accept(self, token: int) -> None:
         for ch in self.classes.texts[token] if token < len(self.classes.texts) else "":
             self._char(ch)

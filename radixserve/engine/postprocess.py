@@ -58,10 +58,12 @@ class Postprocessor:
             self.speculation.verified(request, len(row.draft), len(row.tokens) - 1)
         stop = None
         for token, logprob in zip(row.tokens, row.logprobs, strict=True):
-            stop = self._take(request, token, logprob, now)
+            stop = self._append(request, token, logprob, now)
             if stop is not None:
                 break
-        self.scheduler.settle(request)
+        self.scheduler.settle(request)  # before any forced tokens: they have no K/V
+        if stop is None:
+            stop = self._jump_forward(request, now)
         if stop is not None:
             self._finish(request, stop, now)
 
@@ -70,19 +72,22 @@ class Postprocessor:
         """Appends one sampled token, then the tokens its grammar forces after it (jump
         forward); returns why the request must stop, if it must."""
         stop = self._append(request, token, logprob, now)
-        if (stop is None and self.jump_forward and request.matcher is not None
-                and request.params.logprobs is None):
-            # Tokens the grammar forces need no sampling: they are taken now, and the next
-            # step computes them with the sampled token as one chunk, instead of one decode
-            # step each. (Not with logprobs: a forced token has no sampled distribution.)
-            taken = 0
-            for forced_token in request.matcher.forced_tokens():
-                stop = self._append(request, forced_token, None, now)
-                taken += 1
-                if stop is not None:
-                    break
-            if taken:
-                request.jump_pending = 1 + taken  # (a finish computes them too: Scheduler)
+        return stop if stop is not None else self._jump_forward(request, now)
+
+    def _jump_forward(self, request: Request, now: float) -> Stop | None:
+        """Takes the tokens the request's grammar forces after its newest token. They need no
+        sampling: the next step computes them with that token as one chunk, instead of one
+        decode step each. (Not with logprobs: a forced token has no sampled distribution.)"""
+        if not self.jump_forward or request.matcher is None or request.params.logprobs is not None:
+            return None
+        stop, taken = None, 0
+        for forced_token in request.matcher.forced_tokens():
+            stop = self._append(request, forced_token, None, now)
+            taken += 1
+            if stop is not None:
+                break
+        if taken:
+            request.jump_pending = 1 + taken  # (a finish computes them too: Scheduler)
         return stop
 
     def _append(self, request: Request, token: int, logprob: TokenLogprob | None,

@@ -30,7 +30,7 @@ from radixserve.engine.sampler import (
 from radixserve.engine.sampling_rows import SampleResult, SampleRow
 from radixserve.engine.scheduler import ScheduledDraft, SchedulerOutput
 from radixserve.engine.speculative.verify import accept_greedy, accept_sampled
-from radixserve.engine.structured_output import fill_masks
+from radixserve.engine.structured_output import fill_draft_masks, fill_masks
 from radixserve.engine.window_kv import FullKV
 from radixserve.kernels import argmax_op, token_bitmask_op
 from radixserve.layers.attention import SequenceSpan, StepAttention, StepLayout
@@ -190,6 +190,10 @@ class ModelRunner:
         constrained = [r for r in wants_logits if r.matcher is not None]
         masks = (self._mask_worker().submit(fill_masks, [r.matcher for r in constrained])
                  if constrained else None)
+        drafted = [v for v in verifies if v.request.matcher is not None]
+        draft_masks = (self._mask_worker().submit(
+            fill_draft_masks, [(v.request.matcher, v.draft) for v in drafted])
+            if drafted else None)
         hidden = self.model.hidden_states(batch, self.pool.layers)
         prompt_logprobs = [(span.request, self._score_prompt(hidden, span))
                            for span in prompt_spans]
@@ -202,13 +206,17 @@ class ModelRunner:
                 for r in wants_logits]
         logits = logits.cpu()
         # Row j of a draft samples as plain decoding would after the draft's first j tokens
-        # (penalties read them, min_tokens counts them); speculating requests are never
-        # constrained (see speculative/policy.py).
+        # (penalties read them, min_tokens counts them, a grammar's mask is its state after
+        # them).
+        row_masks = dict(zip(map(id, drafted), draft_masks.result(), strict=True)
+                         ) if draft_masks else {}
         draft_rows = []
         for item in verifies:
             r = item.request
+            grammar = row_masks.get(id(item))
             draft_rows.append([SampleRow(r.params, r.generator or self.generator, banned(r, j),
-                                         r.token_ids + item.draft[:j], len(r.prompt_token_ids))
+                                         r.token_ids + item.draft[:j], len(r.prompt_token_ids),
+                                         None if grammar is None else grammar[j])
                                for j in range(1 + len(item.draft))])
         # Greedy drafts' rows are argmaxes, batched with the plain rows.
         greedy = [i for i, item in enumerate(verifies) if item.request.params.greedy]

@@ -101,6 +101,31 @@ class GrammarMatcher:
         value bounds never refuse text the grammar requires, so they need no say here.)"""
         return list(self._matcher.compute_ff_tokens())
 
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many leading `tokens` the grammar allows from here; the matcher does not move."""
+        return int(self._matcher.validate_tokens(tokens))
+
+    def fill_draft_masks(self, draft: list[int], out: torch.Tensor) -> None:
+        """Row j of `out` ([len(draft) + 1, words]): the mask after the draft's first j tokens,
+        as if they were taken (a speculative row samples each position under its own mask).
+        The matcher and the value bounds end where they began."""
+        saved = self._values.state() if self._values is not None else None
+        taken = 0
+        for j in range(len(draft) + 1):
+            self.fill_mask(out[j])
+            if j < len(draft):
+                if not bool(self._matcher.consume_token(draft[j])):
+                    # (Drafts are cut to their valid prefix first.) Row j refuses draft[j],
+                    # so no later row is read: they repeat it.
+                    out[j + 1:] = out[j]
+                    break
+                if self._values is not None:
+                    self._values.accept(draft[j])
+                taken += 1
+        self._matcher.rollback(taken)
+        if saved is not None and self._values is not None:
+            self._values.restore(saved)
+
     def accepts_whole(self, tokens: list[int]) -> bool:
         """Whether `tokens` are a complete output of the grammar (the matcher follows them)."""
         return bool(self._matcher.consume_tokens(tokens)) and bool(self._matcher.is_accepting())
@@ -199,3 +224,14 @@ def fill_masks(matchers: list[GrammarMatcher]) -> torch.Tensor:
     for row, matcher in enumerate(matchers):
         matcher.fill_mask(masks[row])
     return masks
+
+
+def fill_draft_masks(drafts: list[tuple[GrammarMatcher, list[int]]]) -> list[torch.Tensor]:
+    """The masks of speculative rows: per draft, one row per position ([len(draft) + 1,
+    words], `GrammarMatcher.fill_draft_masks`)."""
+    out = []
+    for matcher, draft in drafts:
+        rows = torch.empty((len(draft) + 1, matcher.words), dtype=torch.int32)
+        matcher.fill_draft_masks(draft, rows)
+        out.append(rows)
+    return out

@@ -6,9 +6,10 @@ Sampled requests speculate too, verified by the exact rule (verify.py); a seeded
 reproducible under the same drafts (ngram: its own tokens), not token for token equal to its
 plain decoding (the draws differ, the distribution does not).
 
-Never speculated, and why:
-- constrained requests (structured output, forced tool calls): a draft token is not checked by
-  the grammar, and rolling the matcher back is not implemented; plain decoding never leaves it.
+Constrained requests (structured output, forced tool calls) speculate under their grammar: a
+draft is cut to the tokens the grammar allows, and each verified position samples under the
+grammar's mask after the draft tokens before it (the matcher is rolled back after computing
+them), so what is accepted is what plain constrained decoding would produce.
 """
 
 from __future__ import annotations
@@ -37,10 +38,14 @@ PRIOR_WEIGHT = 4
 OVERHEAD_SMOOTHING = 0.1
 
 
+class DraftCheck(Protocol):
+    def valid_prefix(self, tokens: list[int]) -> int: ...
+
+
 class SpeculatingRequest(DraftSource, Protocol):
     params: SamplingParams
     output_token_ids: list[int]
-    matcher: object | None
+    matcher: DraftCheck | None
     spec_drafted: int
     spec_accepted: int
     spec_rejections: int
@@ -73,7 +78,7 @@ class Speculation:
         decode row); `budget` caps their number, `rows` is the step's decode rows so far."""
         params = request.params
         method = self.method_of(params)
-        if method == "off" or request.matcher is not None:
+        if method == "off":
             return []
         k = min(params.num_speculative_tokens or self.settings.num_tokens, budget,
                 # past max_tokens or the context nothing verified could be kept
@@ -84,6 +89,8 @@ class Speculation:
         started = time.perf_counter()
         drafter: Drafter = self.ngram if method == "ngram" else self.suffix
         draft = drafter.propose(request, k)
+        if draft and request.matcher is not None:
+            draft = draft[: request.matcher.valid_prefix(draft)]
         if method == "auto" and draft and self.cost is not None:
             draft = draft[: self.cost.best_draft_length(max(rows, 1), acceptance_of(request),
                                                         len(draft), self.overhead)]
