@@ -12,6 +12,7 @@ class IdleEngine:
 
     alive = True
     clock = staticmethod(time.monotonic)
+    background_prefill = False
 
     async def run(self, fn: Any) -> None:
         return None
