@@ -13,7 +13,8 @@ minutes on shared CPUs) falls on all modes alike. Reported: each figure's median
 rounds, and each mode's speed-up as the median of its per-round ratios to `off`.
 
 Workloads: code-edit (a ~600-token source file of this repository returned whole with one
-rename), rag-quote (answer by quoting a document), agent (4 tool loops at once, 3 turns each,
+rename), rag-quote (answer by quoting a document), json-extract (the same document's title and
+first two sentences as JSON under a schema: structured output, drafting under its grammar), agent (4 tool loops at once, 3 turns each,
 every call repeating arguments seen earlier), unique-chat (nothing to copy; 1 and 16 at once),
 short-c32 (32 short requests at once). The engines keep their prefix cache on (the default),
 as llama-server keeps its prompt cache: the agent's later turns extend its earlier ones.
@@ -36,6 +37,7 @@ from timing import cpu_summary
 
 from radixserve import LLM, SamplingParams
 from radixserve.model.default_model import default_model_path
+from radixserve.sampling_params import StructuredOutputsParams
 
 REPO = Path(__file__).resolve().parent.parent
 MODES = ("off", "ngram", "suffix", "auto")
@@ -50,6 +52,7 @@ class Workload:
     max_tokens: int
     # Later turns: each conversation gets its reply and then this message, and goes again.
     follow_ups: tuple[str, ...] = ()
+    schema: dict[str, Any] | None = None  # the reply's JSON schema (structured output)
 
 
 # A 597-token file of this repository (in the default model's tokens), returned whole.
@@ -68,6 +71,21 @@ def _rag_quote() -> list[list[dict[str, str]]]:
     document = (REPO / "docs/architecture.md").read_text()[:2400]
     ask = (f"Document:\n{document}\n\nQuote, word for word, the document's first three "
            "sentences.")
+    return [[{"role": "user", "content": ask}]]
+
+
+# Structured extraction from a document: the values are quotes, so drafts from the prompt fit
+# inside the grammar's strings (a constrained request drafts under its grammar).
+EXTRACT_SCHEMA = {"type": "object", "properties": {
+    "title": {"type": "string"}, "first_sentence": {"type": "string"},
+    "second_sentence": {"type": "string"}},
+    "required": ["title", "first_sentence", "second_sentence"], "additionalProperties": False}
+
+
+def _json_extract() -> list[list[dict[str, str]]]:
+    document = (REPO / "docs/architecture.md").read_text()[:2400]
+    ask = (f"Document:\n{document}\n\nAnswer in JSON: the document's title, and its first two "
+           "sentences quoted word for word.")
     return [[{"role": "user", "content": ask}]]
 
 
@@ -103,6 +121,7 @@ def workloads(quick: bool) -> list[Workload]:
     out = 48 if quick else 256
     runs = [Workload("code-edit", _code_edit(), 48 if quick else CODE_EDIT_TOKENS),
             Workload("rag-quote", _rag_quote(), out),
+            Workload("json-extract", _json_extract(), out, schema=EXTRACT_SCHEMA),
             Workload("agent-c4", _agent(4), min(out, 64), AGENT_FOLLOW_UPS),
             Workload("unique-chat-c1", _unique(1), out)]
     if not quick:
@@ -123,7 +142,9 @@ def run_radixserve(mode: str, llm: LLM, workload: Workload, namespace: str) -> d
     counters = llm.engine.speculation.counters
     before = (counters.steps, counters.drafts, counters.accepted_tokens,
               counters.draft_seconds, counters.speculative_steps)
-    params = SamplingParams(max_tokens=workload.max_tokens, temperature=0)
+    params = SamplingParams(max_tokens=workload.max_tokens, temperature=0,
+                            structured_outputs=None if workload.schema is None
+                            else StructuredOutputsParams(json=workload.schema))
     conversations = workload.conversations
     tokens, decode_tokens, decode_seconds = 0, 0, 0.0
     results: list[Any] = []
@@ -206,9 +227,13 @@ def run_llama_server(spec_type: str, runs: list[Workload], args: argparse.Namesp
                                 {"role": "assistant", "content": reply},
                                 {"role": "user", "content": follow_up}]
                         # Its prompt cache on (its default), as radixserve's prefix cache is.
-                        body = client.post("/v1/chat/completions", json={
+                        request: dict[str, Any] = {
                             "model": MODEL_NAME, "messages": messages, "temperature": 0,
-                            "max_tokens": workload.max_tokens}).json()
+                            "max_tokens": workload.max_tokens}
+                        if workload.schema is not None:
+                            request["response_format"] = {"type": "json_schema", "json_schema": {
+                                "name": "answer", "schema": workload.schema}}
+                        body = client.post("/v1/chat/completions", json=request).json()
                         tokens += body["usage"]["completion_tokens"]
                         reply = body["choices"][0]["message"]["content"]
             seconds = time.perf_counter() - started
