@@ -160,6 +160,11 @@ def _forced_call(llm: LLM) -> StructuredOutputsParams:
     return forced_call_grammar(WEATHER, ToolChoice("required", "get_weather", False), family)
 
 
+def _call_request(llm: LLM) -> tuple[StructuredOutputsParams, list[int]]:
+    """The forced weather call's grammar and the question's prompt."""
+    return _forced_call(llm), llm.engine.tokenizer.encode_chat(CALL_PROMPT)
+
+
 def _stepped(llm: LLM, prompt: list[int], params: SamplingParams) -> list[list[int]]:
     """Runs one request alone; returns the output tokens each engine step added."""
     engine = llm.engine
@@ -179,8 +184,7 @@ def test_forced_text_is_taken_at_once_and_each_sampled_token_is_the_greedy_choic
     llm: LLM,
 ) -> None:
     engine = llm.engine
-    spec = _forced_call(llm)
-    prompt = engine.tokenizer.encode_chat(CALL_PROMPT)
+    spec, prompt = _call_request(llm)
     params = SamplingParams(max_tokens=60, temperature=0, structured_outputs=spec)
     before = engine.scheduler.counters.computed_prompt_tokens
     steps = _stepped(llm, prompt, params)
@@ -211,8 +215,7 @@ def test_forced_text_is_taken_at_once_and_each_sampled_token_is_the_greedy_choic
 
 def test_jump_forward_off_samples_every_token_and_logprobs_turn_it_off(llm: LLM) -> None:
     engine = llm.engine
-    spec = _forced_call(llm)
-    prompt = engine.tokenizer.encode_chat(CALL_PROMPT)
+    spec, prompt = _call_request(llm)
     with_logprobs = _stepped(llm, prompt, SamplingParams(max_tokens=12, temperature=0,
                                                          logprobs=0, structured_outputs=spec))
     # A forced token has no sampled distribution: with logprobs asked, each is sampled.
@@ -230,8 +233,7 @@ def test_forced_text_still_meets_max_tokens_and_a_fully_forced_output_ends_at_on
     llm: LLM,
 ) -> None:
     engine = llm.engine
-    spec = _forced_call(llm)
-    prompt = engine.tokenizer.encode_chat(CALL_PROMPT)
+    spec, prompt = _call_request(llm)
     out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(
         max_tokens=5, temperature=0, structured_outputs=spec))[0].outputs[0]
     assert len(out.token_ids) == 5 and out.finish_reason == "length"
