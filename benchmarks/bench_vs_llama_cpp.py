@@ -260,7 +260,10 @@ def radixserve_server(args: argparse.Namespace, model: Path, context: int) -> Sy
     command = [sys.executable, "-m", "radixserve.cli", "serve", "--model", str(model),
                "--quantization", "auto", "--num-threads", str(args.threads),
                "--kv-cache-tokens", str(context), "--served-model-name", MODEL_NAME,
-               "--no-access-log", "--host", "127.0.0.1", "--port", "{port}"]
+               "--no-access-log", "--host", "127.0.0.1", "--port", "{port}",
+               # Every workload's requests arrive at once by design, and llama-server queues
+               # them all: admission control would refuse some (a 429 ends the run).
+               "--max-queue-wait", "0"]
     return System(RADIXSERVE, command)
 
 

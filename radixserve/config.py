@@ -162,9 +162,6 @@ class EngineConfig:
         need(self.swa_memory == "full" or self.kv_offload_dir is None,
              "swa_memory='window' does not work with the disk tier (kv_offload_dir) yet: the "
              "tier stores and loads every layer's KV of a block")
-        need(self.speculative == "off" or self.swa_memory == "full",
-             "speculative decoding does not work with swa_memory='window' yet: a rejected "
-             "draft's sliding-window KV is not given back through the window group")
         need(self.page_size >= 1, "page_size must be >= 1")
         need(self.kv_cache_tokens is None or self.kv_cache_tokens >= self.page_size,
              "kv_cache_tokens must be at least one page")

@@ -6,7 +6,8 @@ Greedy answers (and on Gemma 3 their log-probabilities, to the bit) with the win
 the cache-off engine's in one chunk, under 16-token chunks, batching and prefix hits past the window; a hypothesis
 machine grows, branches, crowds and evicts with a window group too small for two requests at
 once, with the books and "every row reads only local KV its request holds" asserted every step
-(debug_invariants); and the same pool bytes hold more concurrent contexts.
+(debug_invariants); speculation's rejected rows give their pages back; and the same pool bytes
+hold more concurrent contexts.
 """
 
 from __future__ import annotations
@@ -148,6 +149,25 @@ def test_a_running_request_holds_only_its_window(gemma3):
     pages = -(-(window.window + 16) // window.page_size) + 1  # window, a chunk, a straddle
     assert held and max(held) <= pages, held
     assert window.free_pages == window.allocator.num_pages  # cache off: nothing kept
+
+
+def test_speculation_in_the_window_group_answers_as_plain_decoding(gemma3):
+    # The random model repeats tokens, so n-gram drafts come; a greedy request keeps plain
+    # decoding's answer, and a sampled one beside it rejects many of its drafts, whose rows'
+    # window-group pages must go back before their full slots (debug_invariants checks the
+    # group's books every step).
+    windowed = _windowed(gemma3, speculative="ngram", num_speculative_tokens=4)
+    plain = _plain(gemma3)
+    rng = random.Random(11)
+    prompts = [{"prompt_token_ids": _tokens(rng, n)} for n in (60, 37)]
+    greedy = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=40, temperature=1.5, seed=2, ignore_eos=True)
+    got = windowed.generate(prompts, [greedy, sampled])
+    want = plain.generate(prompts[:1], greedy)
+    assert _said(got[:1], False) == _said(want, False)
+    counters = windowed.engine.speculation.counters
+    assert counters.drafts > 0 and counters.draft_tokens > counters.accepted_tokens, counters
+    _assert_idle(windowed)
 
 
 class WindowGroupMachine(RuleBasedStateMachine):

@@ -283,9 +283,13 @@ class Scheduler:
         # a prefill chunk, so that nothing is sampled for it.
         decode = todo == 1 and bool(request.params.max_tokens or request.output_token_ids)
         if decode:
-            # (EngineConfig refuses speculation with the window group: a rejected draft's
-            # local KV is not given back through it yet.)
             draft = self._draft(request, budget - 1)
+            if draft:
+                # The window group's room for the row and its draft, without preempting
+                # anyone for a guess: the draft shrinks to what is there.
+                self.window_kv.slide(request)
+                room = self.window_kv.reserve(request, 1 + len(draft))
+                draft = draft[: max(room - 1, 0)]
             if draft:
                 out.verifies.append(ScheduledDraft(request, draft))
                 return 1 + len(draft)
@@ -315,6 +319,7 @@ class Scheduler:
         its KV, and the slots past the page that holds them (a rejected draft's) go back."""
         request.num_computed = request.num_tokens - 1
         keep = max(request.cache_len, -(-request.num_computed // self.page_size) * self.page_size)
+        self.window_kv.truncate(request, keep)  # the window group's pages past it go first
         dropped = request.truncate_slots(keep)
         if dropped:
             self.allocator.release(dropped)

@@ -65,6 +65,10 @@ class FullKV:
         """Position `index`'s full slot `old` is a duplicate of the cache's `new` (publish
         frees `old` next)."""
 
+    def truncate(self, request: Request, end: int) -> None:
+        """Drops the request's holds from position `end` on (a rejected draft's rows; `end`
+        on a page boundary), before its full slots there go back."""
+
     def release(self, request: Request) -> None:
         """Drops every hold of a request leaving the running batch."""
 
@@ -234,6 +238,13 @@ class WindowKV(FullKV):
             table.held[k] = new_page
             base = self._local[new_page] * size
             table.set(k * size, range(base, base + size))
+
+    def truncate(self, request: Request, end: int) -> None:
+        table = self._tables.get(request)
+        if table is None:
+            return
+        for k in [k for k in table.held if k * self.page_size >= end]:
+            self._drop(table, k)
 
     def release(self, request: Request) -> None:
         table = self._tables.pop(request, None)
