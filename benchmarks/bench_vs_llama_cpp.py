@@ -263,7 +263,8 @@ def radixserve_server(args: argparse.Namespace, model: Path, context: int) -> Sy
                "--no-access-log", "--host", "127.0.0.1", "--port", "{port}",
                # Every workload's requests arrive at once by design, and llama-server queues
                # them all: admission control would refuse some (a 429 ends the run).
-               "--max-queue-wait", "0"]
+               "--max-queue-wait", "0", "--max-queued-tokens", str(1 << 30),
+               "--queue-key-share", "1"]
     return System(RADIXSERVE, command)
 
 
