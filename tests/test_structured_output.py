@@ -303,3 +303,26 @@ def test_a_drafts_masks_are_each_positions_and_leave_the_matcher_where_it_was(ll
     matcher.fill_mask(again)
     assert torch.equal(again, rows[0])
     assert matcher.accepts_whole(tokens)
+
+
+def test_a_settling_request_whose_step_fails_lets_go_of_everything(llm: LLM, monkeypatch) -> None:
+    engine = llm.engine
+    spec, prompt = _call_request(llm)
+    request_id = engine.add_request(prompt, SamplingParams(max_tokens=60, temperature=0,
+                                                           structured_outputs=spec))
+    while not any(o.request_id == request_id and o.finished for o in engine.step()):
+        pass
+    assert engine.scheduler.settling  # answered; its forced tail still to compute
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected: the forward pass failed")
+
+    monkeypatch.setattr(engine.runner, "run", broken)
+    assert engine.step() == []  # nothing to tell: its client has its answer
+    monkeypatch.undo()
+    assert not engine.has_unfinished_requests()
+    stats = engine.pool_stats()
+    assert stats.balanced and stats.private == 0 and stats.protected == 0, stats
+    # What it had computed before the failed step (the prompt, at least) stays cached.
+    cached = engine.cache.match_prefix((engine.config.model, None), prompt).length
+    assert cached >= (len(prompt) - 1) // engine.pool.page_size * engine.pool.page_size

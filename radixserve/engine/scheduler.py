@@ -125,9 +125,9 @@ class Scheduler:
         self.tier = tier if cache.stores_slots else None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        # Finished requests whose pinned sequence still has output tokens without K/V (the last
-        # sampled token, forced tokens after it): one chunk computes them for the cache, so a
-        # continuation reads the whole sequence. Their clients already have the output.
+        # Finished requests whose output still has tokens without K/V that a next turn will
+        # read (a grammar's forced tail, or the output a pin reaches into): one chunk computes
+        # them for the cache. Their clients already have the output (`_settles`).
         self.settling: list[Request] = []
         self.loading = TierLoads(self.tier, allocator)  # admitted, their tier blocks on the way
         self.counters = SchedulerCounters()
