@@ -114,13 +114,11 @@ class GrammarMatcher:
         for j in range(len(draft) + 1):
             self.fill_mask(out[j])
             if j < len(draft):
-                if not bool(self._matcher.consume_token(draft[j])):
+                if not self.accept(draft[j]):
                     # (Drafts are cut to their valid prefix first.) Row j refuses draft[j],
                     # so no later row is read: they repeat it.
                     out[j + 1:] = out[j]
                     break
-                if self._values is not None:
-                    self._values.accept(draft[j])
                 taken += 1
         self._matcher.rollback(taken)
         if saved is not None and self._values is not None:

@@ -208,7 +208,7 @@ def _deploy(args: argparse.Namespace, config: EngineConfig, settings: ServerSett
     started = time.monotonic()
     # The next turn's prefill runs in each replica, for the turns it served (as serve.py
     # decides for one engine: on by default, with the radix cache).
-    background = args.next_turn_prefill is not False and config.prefix_cache == "radix"
+    background = settings.next_turn_prefill and config.prefix_cache == "radix"
     handle = serve.run(deployment.bind(config, background), name=app_name, route_prefix=None)
     # The first call also makes Serve build the router in this process.
     facts = handle.describe.remote().result(timeout_s=120)
